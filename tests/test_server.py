@@ -1,0 +1,254 @@
+"""vllm_sync_server.py against a real vLLM engine on CPU, with the tiny model built by the tests.
+
+One server (started with --api-key, so every control call below carries the key) serves all tests of
+this module, in order; each test leaves it healthy for the next."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from conftest import PY, ROOT, SyncClient, sha256, start_server, stop_server
+
+KEY = "test-key"
+SYNC_TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("server") / "server.log")
+    proc, url = start_server(tiny_model, log, "--api-key", KEY, "--sync-timeout-s", str(SYNC_TIMEOUT_S))
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompt_ids, completion_ids, temperature=1.0):
+    """Log-probabilities of `completion_ids` under an HF model, from logits / temperature (an independent
+    reference: a plain full forward pass)."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / temperature, dim=-1)
+    return lp.gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def generate(url, **body):
+    r = requests.post(url + "/generate", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def assert_logprobs_match(url, model, temperature=1.0, prompts=None, atol=2e-4):
+    prompts = prompts or [[5, 17, 33, 2, 91], [44, 8, 120, 7]]
+    out = generate(url, prompts=prompts, n=3, temperature=temperature, max_tokens=12, seed=3)
+    worst = 0.0
+    for p, res in zip(prompts, out["results"]):
+        assert res["prompt_token_ids"] == p and len(res["completions"]) == 3
+        for c in res["completions"]:
+            assert len(c["token_ids"]) == len(c["logprobs"]) == 12
+            ref = hf_logprobs(model, p, c["token_ids"], temperature)
+            worst = max(worst, (torch.tensor(c["logprobs"]) - ref).abs().max().item())
+    assert worst < atol, worst
+    return out
+
+
+def state_dict_with_tied(model):
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return sd  # a tied HF model lists both model.embed_tokens.weight and lm_head.weight (same tensor)
+
+
+def assert_checksums(url, named):
+    got = requests.get(url + "/weights_checksum", timeout=60).json()["checksums"]
+    assert set(got) == set(named), set(got) ^ set(named)
+    bad = [k for k in got if got[k] != sha256(named[k])]
+    assert not bad, bad
+
+
+def test_generate_logprobs_match_hf(server, hf_model):
+    out = assert_logprobs_match(server, hf_model, temperature=1.0)
+    assert out["version"] == 0
+    assert all(c["versions"] == [0] for r in out["results"] for c in r["completions"])
+    # the sampler's logprobs follow the temperature: they are log_softmax(logits / T)
+    assert_logprobs_match(server, hf_model, temperature=0.7)
+    with pytest.raises(AssertionError):  # and they are not the temperature-1 ones
+        out = generate(server, prompts=[[5, 17, 33]], n=1, temperature=0.5, max_tokens=8, seed=1)
+        c = out["results"][0]["completions"][0]
+        ref = hf_logprobs(hf_model, [5, 17, 33], c["token_ids"], 1.0)
+        assert (torch.tensor(c["logprobs"]) - ref).abs().max() < 1e-3
+
+
+def test_generate_chat_messages_and_sampling_params(server, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]
+    out = generate(server, messages=[msgs], n=4, temperature=1.0, max_tokens=6, seed=0)
+    expected = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    res = out["results"][0]
+    assert res["prompt_token_ids"] == expected
+    assert len(res["completions"]) == 4
+    c = res["completions"][0]
+    # (vLLM holds back a trailing incomplete UTF-8 byte sequence; random byte-level tokens end in one often)
+    assert c["text"].rstrip("\ufffd") == tok.decode(c["token_ids"], skip_special_tokens=True).rstrip("\ufffd")
+    assert c["finish_reason"] == "length"
+    # the same seed gives the same samples; greedy decoding is deterministic
+    again = generate(server, messages=[msgs], n=4, temperature=1.0, max_tokens=6, seed=0)
+    assert again["results"][0]["completions"][0]["token_ids"] == c["token_ids"]
+    g1 = generate(server, prompts=[[3, 4, 5]], temperature=0.0, max_tokens=6)["results"][0]["completions"][0]
+    g2 = generate(server, prompts=[[3, 4, 5]], temperature=0.0, max_tokens=6)["results"][0]["completions"][0]
+    assert g1["token_ids"] == g2["token_ids"]
+    # many concurrent requests are all answered
+    threads, results = [], []
+    for i in range(8):
+        t = threading.Thread(target=lambda i=i: results.append(generate(server, prompts=[[i + 3, 9]], n=2, max_tokens=5)))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(len(r["results"][0]["completions"]) == 2 for r in results)
+    r = requests.post(server + "/generate", json={"prompts": [[1]], "messages": [msgs]})
+    assert r.status_code == 400
+
+
+def test_full_and_partial_push(server, hf_model):
+    client = SyncClient(server, api_key=KEY)
+    client.init()
+    torch.manual_seed(1)
+    new = state_dict_with_tied(hf_model)
+    with torch.no_grad():
+        for k, v in hf_model.named_parameters():  # named_parameters() lists a tied weight once
+            v.add_(torch.randn_like(v) * 0.02)
+    params = {k: v.detach() for k, v in hf_model.named_parameters()}
+    new = state_dict_with_tied(hf_model)
+
+    # a long generation in flight during the push is paused and resumed, not dropped
+    inflight = {}
+    t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000,
+                                                                 temperature=1.0, seed=5, ignore_eos=True)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "the generation finished before the push: make it longer"
+    done = client.push(params, bucket_bytes=64 << 10)
+    t.join()
+    assert done["status"] == "ok" and done["version"] == 1, done
+    assert requests.get(server + "/runtime_version").json()["version"] == 1
+    assert_checksums(server, new)
+    assert_logprobs_match(server, hf_model)
+    comps = inflight["results"][0]["completions"]
+    assert len(comps) == 16 and all(len(c["token_ids"]) == 1000 for c in comps)
+    for c in comps:  # the first tokens came from version 0, the rest from version 1
+        assert c["versions"] == [0, 1], c["version_spans"]
+        spans = c["version_spans"]
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == 1000
+
+    # a partial push (whole layers only: vLLM fuses q/k/v and gate/up) with an explicit version
+    layer = "model.layers.1.mlp."
+    part = {}
+    with torch.no_grad():
+        for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            p = hf_model.get_parameter(layer + name)
+            p.mul_(-1.5)
+            part[layer + name] = p.detach()
+    done = client.push(part, bucket_bytes=0, version=41)  # bucket_bytes=0: one broadcast per tensor
+    assert done["status"] == "ok" and done["version"] == 41 and done["num_params"] == 3, done
+    assert_checksums(server, state_dict_with_tied(hf_model))
+    assert_logprobs_match(server, hf_model)
+    out = generate(server, prompts=[[1, 2]], max_tokens=3)
+    assert out["version"] == 41 and out["results"][0]["completions"][0]["versions"] == [41]
+
+
+def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
+    client = SyncClient(server, api_key=KEY)
+    client.init()
+    good = {k: v.detach() for k, v in hf_model.named_parameters()}
+    cases = {
+        "model.layers.0.nonexistent.weight": {"model.layers.0.nonexistent.weight": torch.zeros(4)},
+        "model.norm.weight": {"model.norm.weight": torch.zeros(7)},  # wrong shape
+        "model.embed_tokens.weight": {"model.embed_tokens.weight": good["model.embed_tokens.weight"].to(torch.bfloat16)},
+        "model.layers.0.self_attn.q_proj.weight": {  # q without its fused k and v
+            "model.layers.0.self_attn.q_proj.weight": good["model.layers.0.self_attn.q_proj.weight"]},
+    }
+    for name, named in cases.items():
+        t0 = time.time()
+        r = client.push(named)
+        assert r.status_code == 400 and name in r.json()["detail"], (name, r.text)
+        assert time.time() - t0 < 5  # refused at once, nothing waits on a collective
+    assert requests.get(server + "/health").ok
+    assert requests.get(server + "/runtime_version").json()["updating"] is False
+    # the communicator is still usable after refusals
+    done = client.push({"model.norm.weight": good["model.norm.weight"]})
+    assert done["status"] == "ok", done
+
+
+KILLED_CLIENT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from conftest import SyncClient
+from safetensors.torch import load_file
+c = SyncClient(sys.argv[1], api_key=sys.argv[3])
+c.init()
+sd = load_file(sys.argv[4])
+named = {k: torch.randn_like(v) for k, v in sd.items()}
+print("pushing", flush=True)
+c.push(named, bucket_bytes=16 << 10, stop_after=3)  # three buckets, then the process dies mid-push
+import os; os._exit(1)
+"""
+
+
+def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_model):
+    t0 = time.time()
+    res = subprocess.run([PY, "-c", KILLED_CLIENT, server, os.path.join(ROOT, "tests"), KEY,
+                          os.path.join(tiny_model, "model.safetensors")], capture_output=True, text=True, timeout=120)
+    assert "pushing" in res.stdout, res.stderr
+    # the server generates again within the collective timeout (plus engine slack) ...
+    out = generate(server, prompts=[[1, 2, 3]], max_tokens=4)
+    assert len(out["results"][0]["completions"][0]["token_ids"]) == 4
+    assert time.time() - t0 < SYNC_TIMEOUT_S + 30
+    st = requests.get(server + "/runtime_version").json()
+    assert st["communicator"] is None and st["updating"] is False and "update_param_batch" in st["last_error"]
+    # ... and accepts a new communicator and a full push that lands bit for bit
+    client = SyncClient(server, api_key=KEY)
+    client.init()
+    done = client.push({k: v.detach() for k, v in hf_model.named_parameters()})
+    assert done["status"] == "ok", done
+    assert_checksums(server, state_dict_with_tied(hf_model))
+    assert_logprobs_match(server, hf_model)
+
+
+def test_api_key_guards_control_routes(server):
+    for route in ("/init_communicator", "/update_param_batch", "/reset_prefix_cache", "/close_communicator"):
+        r = requests.post(server + route, json={})
+        assert r.status_code == 401, (route, r.status_code)
+        r = requests.post(server + route, json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, route
+    ok = requests.post(server + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+    assert requests.get(server + "/health").ok  # generation and health stay open
+
+
+def test_help_is_fast_and_non_loopback_warns(tiny_model):
+    t0 = time.time()
+    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--help"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "--sync-timeout-s" in r.stdout and time.time() - t0 < 3
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "vllm" not in imported
+    # binding a non-loopback address without a key warns before anything else happens
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model, "--host",
+                             "0.0.0.0", "--port", "0"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert "WARNING: binding 0.0.0.0 without --api-key" in proc.stderr.readline()
+    finally:
+        stop_server(proc)
