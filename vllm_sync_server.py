@@ -153,16 +153,27 @@ class WeightSyncWorker:
             try:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
-                for nbytes, items in plan_buckets(params, bucket_bytes):
+                buckets = plan_buckets(params, bucket_bytes)
+
+                def post(b):  # start receiving bucket b; gloo/NCCL move it in the background
                     # a new buffer per bucket: the reload keeps views of it until their layer completes
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    self._sync_pg.broadcast([buf], opts).wait()
-                    weights = []
-                    for (offset, size), p in zip(items, params[received : received + len(items)]):
-                        dtype = getattr(torch, p["dtype"])
-                        weights.append((p["name"], buf[offset : offset + size].view(dtype).view(p["shape"])))
-                    model.load_weights(weights)
-                    received += len(items)
+                    buf = torch.empty(buckets[b][0], dtype=torch.uint8, device=self.device)
+                    return buf, self._sync_pg.broadcast([buf], opts)
+
+                def arriving():  # yields (name, tensor) as buckets arrive, receiving one bucket ahead
+                    nonlocal received
+                    nxt = post(0)
+                    for b, (_, items) in enumerate(buckets):
+                        buf, work = nxt
+                        work.wait()
+                        if b + 1 < len(buckets):
+                            nxt = post(b + 1)  # bucket b+1 travels while bucket b is loaded
+                        for (offset, size), p in zip(items, params[received : received + len(items)]):
+                            yield p["name"], buf[offset : offset + size].view(getattr(torch, p["dtype"])).view(p["shape"])
+                        received += len(items)
+
+                # one load_weights call consumes the stream lazily (each call walks the whole module tree)
+                model.load_weights(arriving())
             except BaseException:
                 # The trainer died or stalled mid-push. A layer that got only part of its weights would be
                 # finalized from uninitialised memory: forget those parts so it keeps its old weights.
@@ -331,8 +342,8 @@ def main(args: Args) -> None:
         return results[0]
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def health():  # dtype: what /update_param_batch expects on the wire
+        return {"status": "ok", "model": args.model, "dtype": ctx["dtype"]}
 
     @app.get("/runtime_version")
     async def runtime_version():
@@ -426,7 +437,7 @@ def main(args: Args) -> None:
     class UpdateRequest(BaseModel):
         params: list[dict]
         version: Optional[int] = None
-        bucket_bytes: int = 256 << 20
+        bucket_bytes: int = 1 << 20  # bench/weight_sync.py: big tensors alone, small ones together
 
     @app.post("/update_param_batch", dependencies=[Depends(require_key)])
     async def update_param_batch(req: UpdateRequest):
@@ -469,15 +480,18 @@ def main(args: Args) -> None:
                     # "keep": requests stay queued, their KV cache is dropped and recomputed with the new
                     # weights on resume; tokens sampled so far keep the version that sampled them.
                     await engine.pause_generation(mode="keep", clear_cache=True)
+                    t1 = time.perf_counter()
                     try:
                         n = await collective("sync_update", params, req.bucket_bytes)
+                        t2 = time.perf_counter()
                         await engine.reset_prefix_cache()
                         state["version"] = req.version if req.version is not None else state["version"] + 1
                         await engine.update_weight_version(str(state["version"]))
                     finally:
                         await engine.resume_generation()
                 return {"status": "ok", "version": state["version"], "num_params": n,
-                        "seconds": round(time.perf_counter() - t0, 4)}
+                        "seconds": round(time.perf_counter() - t0, 4), "pause_seconds": round(t1 - t0, 4),
+                        "receive_load_seconds": round(t2 - t1, 4)}
             except Exception as e:
                 state["communicator"], state["last_error"] = None, f"update_param_batch: {e}"
                 return {"status": "error", "error": state["last_error"]}

@@ -37,7 +37,7 @@ CORPUS = [
 ] * 4
 
 
-def build_tokenizer(path: str, vocab_size: int):
+def build_tokenizer(path: str, vocab_size: int, byte_alphabet: bool = True):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -48,7 +48,8 @@ def build_tokenizer(path: str, vocab_size: int):
     trainer = trainers.BpeTrainer(
         vocab_size=n_base,
         special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # all 256 bytes, or (for a very small vocabulary) only the characters of the corpus
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else [],
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
@@ -74,6 +75,7 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     seed: int = 0,
     init_std: float = 0.02,
+    byte_alphabet: bool = True,
 ) -> str:
     """Write a random Qwen2 model + tokenizer to `path` (skipped if it is already there)."""
     if os.path.exists(os.path.join(path, "config.json")):
@@ -82,7 +84,7 @@ def build_tiny_model(
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     os.makedirs(path, exist_ok=True)
-    tok = build_tokenizer(path, vocab_size)
+    tok = build_tokenizer(path, vocab_size, byte_alphabet)
     cfg = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -1,0 +1,696 @@
+# docs and experiment results: README.md#grpo_gsm8kpy
+"""GRPO on GSM8K, in one file: generate with vLLM, grade with math-verify, update, push weights to vLLM.
+
+GRPO (Shao et al. 2024, DeepSeekMath) is PPO without a value network: sample a group of G completions per
+prompt, score each with a verifiable reward (1 if the last \\boxed{} answer equals the gold answer), and use
+the reward minus the group's mean (optionally over the group's std) as every token's advantage. The policy
+maximises the clipped ratio objective of PPO; a KL penalty to a frozen reference is optional (off by
+default, as in DAPO and Dr. GRPO). What this file keeps and drops:
+  - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a
+    collective group after every `--sync-every-steps` updates; its sampling logprobs are returned too;
+  - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is
+    plain REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
+  - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance
+    sampling (`--tis-cap`), and is always logged (`logprob_mismatch`).
+
+  # two GPUs: vLLM on GPU 0 (started for you), training on GPU 1
+  python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
+  # or against a server you started yourself
+  CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
+  CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
+"""
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Optional
+
+# The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
+
+
+@dataclass
+class Args:
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face model id or local directory (also a checkpoint written by this script)"""
+    seed: int = 1
+    """seed of the data order, sampling and torch"""
+    dataset: str = "openai/gsm8k"
+    """Hugging Face dataset (config `main`), or a local directory with train.jsonl and test.jsonl in its schema"""
+    limit: Optional[int] = None
+    """use only the first `limit` training problems"""
+    system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
+    """system prompt of every training and evaluation conversation ("" for none)"""
+    vllm_host: str = "127.0.0.1"
+    """host of vllm_sync_server.py"""
+    vllm_port: int = 8000
+    """port of vllm_sync_server.py"""
+    start_server: bool = False
+    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
+    vllm_gpu: int = 0
+    """GPU of the server with --start-server; training uses the next one"""
+    server_args: str = "--dtype bfloat16"
+    """extra flags for the server started by --start-server"""
+    train_steps: int = 100
+    """number of policy updates"""
+    rollouts_per_update: int = 8
+    """prompts per step (each gets --group-size completions)"""
+    group_size: int = 8
+    """completions per prompt (G); advantages are relative to the group"""
+    concurrency: int = 32
+    """generation requests in flight"""
+    train_temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """how token losses are averaged (see policy_loss)"""
+    scale_rewards: bool = True
+    """divide advantages by the group's std (off in Dr. GRPO)"""
+    clip_eps_low: float = 0.2
+    """lower clip of the ratio (1 - eps)"""
+    clip_eps_high: float = 0.2
+    """upper clip of the ratio (1 + eps); DAPO's clip-higher uses 0.28"""
+    beta: float = 0.0
+    """weight of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
+    tis_cap: Optional[float] = None
+    """cap of the truncated importance weight pi_old / pi_vllm per token (None: no correction)"""
+    num_iterations: int = 1
+    """optimizer passes over each batch (mu in the GRPO paper)"""
+    micro_token_budget: int = 16384
+    """maximum padded tokens in one forward/backward micro-batch"""
+    sync_every_steps: int = 1
+    """push the weights to vLLM every this many steps"""
+    verify_sync: bool = False
+    """after each push, compare the server's weight checksums with the trainer's"""
+    eval_every: int = 10
+    """evaluate every this many steps (0: never)"""
+    eval_before_start: bool = False
+    """evaluate before the first step"""
+    eval_limit: int = 250
+    """number of test problems per evaluation"""
+    eval_temperature: float = 0.0
+    """sampling temperature of evaluation (0: greedy)"""
+    logger: str = "print"
+    """comma-separated: print, rich, wandb (W&B reads WANDB_* variables)"""
+    rollout_log: str = "gsm8k_train_rollouts.jsonl"
+    """JSONL file receiving every training rollout"""
+    checkpoint_dir: str = "checkpoints_gsm8k"
+    """where checkpoints go (Hugging Face format + trainer state)"""
+    save_every: int = 50
+    """save a checkpoint every this many steps (and at the end)"""
+    resume: bool = False
+    """continue from the newest checkpoint in --checkpoint-dir"""
+    grade_timeout_s: float = 5.0
+    """wall-clock limit for grading one completion"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grading: the last \boxed{} of the completion, normalised as a careful human grader would, then
+# math-verify. Runs in worker processes with a wall-clock limit per sample, so it never hangs the loop.
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
+    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
+    if not boxes:
+        return None
+    i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
+    if not text.startswith("{", i):
+        m = re.match(r"[^\s$]+", text[i:])
+        return m.group(0) if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip() or None
+    return None  # truncated or unbalanced
+
+
+NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
+    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+]
+
+
+def normalize_answer(s: str) -> str:
+    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    for pattern, repl in SUBS:
+        s = re.sub(pattern, repl, s.strip())
+    for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
+        s = s.strip().rstrip(".").strip()
+        s = re.sub(r"^\\text\{\s*(" + NUM + r"[^{}]*)\}$", r"\1", s)  # \text{7 apples} -> 7 apples
+        s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
+        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
+        if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
+            s = m.group(1)
+    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+        s = re.sub(r"[, ]", "", s)
+    s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
+    return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
+
+
+def grade(completion: str, gold: str) -> Grade:
+    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). Call it in a
+    main thread (math-verify's timeouts use signals) or through grade_batch."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    box = last_boxed(completion)
+    if box is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    try:  # never str() a parsed object: printing a deep expression can hang
+        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
+        if not pred:
+            return Grade(0.0, False, True)
+        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
+        ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
+    except Exception:
+        return Grade(0.0, False, True)
+    return Grade(float(ok), bool(ok), False)
+
+
+def grade_worker(conn) -> None:
+    conn.send(None)  # ready
+    while True:
+        try:
+            conn.send(tuple(grade(*conn.recv())))
+        except EOFError:
+            return
+
+
+GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
+
+
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
+    sample scores 0 with parse_error. The rest of the batch is unaffected."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+
+    def start(old=None):
+        if old is not None:
+            old[0].kill(), old[0].join(1), old[1].close()
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=grade_worker, args=(b,), daemon=True)
+        p.start()
+        return [p, a, False]
+
+    while len(GRADERS) < workers:
+        GRADERS.append(start())
+    results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
+    while todo or busy:
+        for w, (proc, conn, ready) in enumerate(GRADERS):
+            if ready and w not in busy and todo:
+                i = todo.pop()
+                conn.send((completions[i], golds[i]))
+                busy[w] = (i, time.monotonic() + timeout_s)  # the clock starts when the sample is handed out
+        pending = {GRADERS[w][1]: w for w in range(workers) if w in busy or not GRADERS[w][2]}
+        deadline = min((d for _, d in busy.values()), default=time.monotonic() + 60)
+        for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            w = pending[conn]
+            try:
+                msg = conn.recv()
+            except EOFError:  # the worker died: its sample keeps the default verdict
+                busy.pop(w, None)
+                GRADERS[w] = start(GRADERS[w])
+                continue
+            if w in busy:
+                results[busy.pop(w)[0]] = Grade(*msg)
+            else:
+                GRADERS[w][2] = True
+        for w, (i, d) in list(busy.items()):
+            if time.monotonic() >= d:
+                del busy[w]
+                GRADERS[w] = start(GRADERS[w])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: advantages and the loss
+def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
+    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
+    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
+    return adv.view(-1)  # [B]
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+                loss_type="grpo", *, ref_logprobs=None, beta=0.0, sampling_logprobs=None, tis_cap=None,
+                max_completion_length=None, stats=None):
+    """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
+
+    per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
+      times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
+      gap between the sampler (vLLM) and the trainer (Yao et al. 2025, "off-policy RL in disguise")
+      plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
+    aggregation: grpo    mean over sequences of each sequence's token mean (GRPO paper)
+                 dapo    mean over all tokens of the batch (DAPO)
+                 dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
+    import torch
+
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
+    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    if tis_cap is not None:
+        w = torch.clamp(torch.exp(old_logprobs - sampling_logprobs), max=tis_cap).detach()  # [B, T]
+        per_token = per_token * w
+    if beta:
+        d = ref_logprobs - logprobs  # [B, T]
+        kl = torch.exp(d) - d - 1  # [B, T], >= 0
+        per_token = per_token + beta * kl
+    mask = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+    else:
+        raise ValueError(loss_type)
+    if stats is not None:  # sums over tokens, so micro-batches add up
+        with torch.no_grad():
+            stats["clipped_tokens"] = stats.get("clipped_tokens", 0) + ((ratio != clipped).float() * mask).sum().item()
+            if beta:
+                stats["kl_sum"] = stats.get("kl_sum", 0) + (kl * mask).sum().item()
+            if tis_cap is not None:
+                stats["tis_weight_sum"] = stats.get("tis_weight_sum", 0) + (w * mask).sum().item()
+    return loss
+
+
+def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 1024):
+    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into
+    [B, T-1]), without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and
+    is recomputed in backward (checkpoint), so at most one [chunk, V] block of logits is alive."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
+    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
+    def block(h_c, t_c):
+        logits = model.lm_head(h_c).float()  # [chunk, V]
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+                      for i in range(0, h.shape[0], chunk)])  # [N]
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch.
+    Sorting by length first keeps the padding small (a micro-batch holds sequences of similar length)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:  # lengths decrease, so the first sequence of a micro-batch is its longest
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the client side of vllm_sync_server.py
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+    import requests
+
+    for attempt in range(retries):
+        try:
+            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
+            return r
+        except requests.ConnectionError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+            time.sleep(2**attempt)
+
+
+def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
+    bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
+    import math
+
+    buckets, size, items = [], 0, []
+    for p in params:
+        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
+        offset = (size + 255) // 256 * 256
+        if items and offset + nbytes > bucket_bytes:
+            buckets.append((size, items))
+            size, items, offset = 0, [], 0
+        items.append((offset, nbytes))
+        size = offset + nbytes
+    return buckets + [(size, items)] if items else buckets
+
+
+def init_weight_sync(url: str, device) -> dict:
+    """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
+    group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
+    import datetime
+    import json
+    import socket
+
+    import requests
+    import torch.distributed as dist
+
+    info = requests.get(url + "/health", timeout=30).json()
+    with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
+    timeout = datetime.timedelta(seconds=300)
+    world_size = 2  # this trainer + one server worker (tensor_parallel_size 1)
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    lines = (json.loads(x) for x in post(url, "/init_communicator", {"host": host, "port": port,
+                                                                      "world_size": world_size}, stream=True).iter_lines() if x)
+    next(lines)  # "joining": the server's workers are connecting to our store now
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+    done = next(lines)
+    if done["status"] != "ok":
+        raise RuntimeError(f"{url}/init_communicator failed: {done}")
+    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
+
+
+def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -> dict:
+    """Broadcast every parameter (cast to the server's dtype) in buckets; returns the server's report.
+    1 MiB buckets: large tensors travel alone and uncopied, small ones (norms, biases) together;
+    bench/weight_sync.py measured this against one broadcast per tensor and larger buckets."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, sync["dtype"])
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
+    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version, "bucket_bytes": bucket_bytes}, stream=True)
+    lines = (json.loads(x) for x in r.iter_lines() if x)
+    next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
+    opts, i, inflight = dist.BroadcastOptions(), 0, []
+    opts.rootRank = 0
+    for nbytes, items in plan_buckets(params, bucket_bytes):
+        if len(items) == 1:
+            buf = named[i][1].to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)
+        else:  # packed while the previous bucket is on the wire
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=sync["device"])
+            for (offset, size), (_, p) in zip(items, named[i : i + len(items)]):
+                buf[offset : offset + size].copy_(p.to(dtype).contiguous().view(-1).view(torch.uint8))
+        inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
+        if len(inflight) > 2:
+            inflight.pop(0)[1].wait()
+        i += len(items)
+    for _, work in inflight:
+        work.wait()
+    done = next(lines)
+    if done["status"] != "ok":
+        raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
+    return done
+
+
+def verify_weights(sync: dict, model) -> int:
+    """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
+    import hashlib
+
+    import requests
+    import torch
+
+    dtype = getattr(torch, sync["dtype"])
+    ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for n, p in model.state_dict().items()}
+    theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600).json()["checksums"]
+    bad = [n for n in theirs if ours.get(n) != theirs[n]]
+    if bad or set(ours) != set(theirs):
+        raise RuntimeError(f"weights differ after the push: {bad[:5]} (and {len(bad) - 5 if len(bad) > 5 else 0} more); "
+                           f"names only on one side: {sorted(set(ours) ^ set(theirs))[:5]}")
+    return len(theirs)
+
+
+def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seed: int):
+    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i}
+        return post(url, "/generate", body).json()["results"][0]
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def start_vllm_server(args: Args, log_path: str):
+    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
+    import atexit
+    import shlex
+    import signal
+    import subprocess
+
+    import requests
+
+    env = dict(os.environ)
+    if args.vllm_gpu >= 0 and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
+        env["CUDA_VISIBLE_DEVICES"] = str(args.vllm_gpu)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
+           "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGTERM))
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm_sync_server.py exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            time.sleep(0.5)
+    raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+
+
+def load_split(dataset: str, split: str) -> list[dict]:
+    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    import datasets
+
+    if os.path.isdir(dataset):
+        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+    return list(datasets.load_dataset(dataset, "main", split=split))
+
+
+if __name__ == "__main__":
+    import tyro
+
+    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+
+    import json
+    import random
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # TRY NOT TO MODIFY: seeding, devices, server, logging
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    n_gpu = torch.cuda.device_count()
+    device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    if args.start_server:
+        start_vllm_server(args, "vllm_server.log")
+    loggers = set(args.logger.split(","))
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.init(config=dataclasses.asdict(args), resume="allow")
+    if "rich" in loggers:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+
+    def log(metrics: dict, step: int) -> None:
+        if "print" in loggers:
+            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()), flush=True)
+        if "rich" in loggers:
+            table = Table(title=f"step {step}")
+            for k in metrics:
+                table.add_column(k)
+            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in metrics.values()))
+            console.print(table)
+        if "wandb" in loggers:
+            wandb.log(metrics, step=step)
+
+    # data: GSM8K problems as chat prompts (token ids), gold = the raw answer field
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    def prompt_ids(question: str) -> list[int]:
+        msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [{"role": "user", "content": question}]
+        return tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+
+    train = load_split(args.dataset, "train")[: args.limit]
+    test = load_split(args.dataset, "test")[: args.eval_limit]
+
+    # model, optimizer, optional frozen reference; resume from the newest checkpoint
+    step, version, skipped, data_pos = 0, 0, 0, 0
+    ckpts = sorted((int(d.split("_")[1]), d) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    load_from = os.path.join(args.checkpoint_dir, ckpts[-1][1]) if args.resume and ckpts else args.model
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)  # fp32 master weights
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    order = np.random.default_rng(args.seed).permutation(len(train))
+    if load_from != args.model:
+        state = torch.load(os.path.join(load_from, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step, version, skipped, data_pos, order = state["step"], state["version"], state["skipped"], state["data_pos"], state["order"]
+        torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
+        print(f"resumed from {load_from} at step {step}", flush=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    sync = init_weight_sync(url, device)
+    push_weights(sync, model, version)  # the server may hold other weights (a checkpoint, an earlier run)
+
+    def evaluate() -> dict:
+        results = generate(url, [prompt_ids(r["question"]) for r in test], 1, args.eval_temperature, args.max_completion_tokens, args.concurrency, args.seed)
+        texts = [res["completions"][0]["text"] for res in results]
+        grades = grade_batch(texts, [r["answer"] for r in test], args.grade_timeout_s)
+        return {"eval/accuracy": float(np.mean([g.correct for g in grades])), "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+                "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results]))}
+
+    if args.eval_before_start and step == 0:
+        log(evaluate(), step)
+
+    rollout_log = open(args.rollout_log, "a")
+    total_tokens, start_time = 0, time.time()
+    while step < args.train_steps:
+        t0 = time.time()
+        # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
+        rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
+        data_pos += args.rollouts_per_update
+        results = generate(url, [prompt_ids(r["question"]) for r in rows], args.group_size, args.train_temperature,
+                           args.max_completion_tokens, args.concurrency, args.seed * 1_000_003 + step)
+        comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
+
+        # 2) grade
+        grades = grade_batch([c["text"] for _, _, c in comps], [row["answer"] for row, _, _ in comps], args.grade_timeout_s)
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
+
+        # 3) advantages, relative to each prompt's group
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+
+        # 4) loss and update, micro-batched by padded token count
+        seqs = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps]
+        n_prompt = [len(p) for _, p, _ in comps]
+        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]  # completion tokens kept after truncation
+        micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
+        B, T_all = len(seqs), max(1, sum(n_comp))
+        old_lp: dict = {}  # micro-batch -> trainer logprobs before this step's first update (pi_old)
+        stats: dict = {"mismatch_sum": 0.0, "loss": 0.0}
+        nonfinite = False
+        for it in range(args.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            for m, idx in enumerate(micro):
+                L = max(len(seqs[i]) for i in idx)
+                ids = torch.tensor([seqs[i] + [tokenizer.pad_token_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+                attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+                # completion token j of row r sits at position n_prompt + j; it is predicted at the position before
+                Tc = max(1, max(n_comp[i] for i in idx))
+                mask = torch.tensor([[1] * n_comp[i] + [0] * (Tc - n_comp[i]) for i in idx], device=device)  # [b, Tc]
+                at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[i])], device=device, dtype=torch.long)
+                with autocast:
+                    flat = token_logprobs(model, ids, attn, at)  # [N]
+                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
+                vllm_lp = torch.tensor([comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (Tc - n_comp[i]) for i in idx], device=device)  # [b, Tc]
+                if it == 0:  # on the first pass the policy is still pi_old: ratio = exp(0) = 1, gradient = REINFORCE's
+                    old_lp[m] = logprobs.detach()
+                    stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
+                ref_lp = None
+                if ref_model is not None:
+                    with torch.no_grad(), autocast:
+                        flat_ref = token_logprobs(ref_model, ids, attn, at)
+                    ref_lp = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat_ref.float())
+                loss = policy_loss(logprobs, old_lp[m], advantages[idx].to(device), mask, args.clip_eps_low, args.clip_eps_high, args.loss_type,
+                                   ref_logprobs=ref_lp, beta=args.beta, sampling_logprobs=vllm_lp, tis_cap=args.tis_cap,
+                                   max_completion_length=args.max_completion_tokens, stats=stats if it == 0 else None)
+                # the loss above is a mean over this micro-batch; rescale so the sum over micro-batches is the
+                # loss of the whole batch, whatever the split (grpo/dr_grpo: per sequence, dapo: per token)
+                loss = loss * (sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B)
+                if not torch.isfinite(loss):
+                    nonfinite = True
+                    break
+                loss.backward()
+                stats["loss"] += loss.item() if it == 0 else 0.0
+            if nonfinite:
+                break
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                nonfinite = True
+                break
+            optimizer.step()
+        if nonfinite:  # skip the step: no update, nothing pushed
+            skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
+        step += 1
+
+        # 5) push weights to vLLM
+        sync_s = 0.0
+        if not nonfinite and step % args.sync_every_steps == 0:
+            version += 1
+            sync_s = push_weights(sync, model, version)["seconds"]
+            if args.verify_sync:
+                verify_weights(sync, model)
+
+        # 6) log, evaluate, checkpoint
+        new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
+        total_tokens += new_tokens
+        metrics = {"loss": stats["loss"], "reward": rewards.mean().item(), "correct_rate": float(np.mean([g.correct for g in grades])),
+                   "parse_err_rate": float(np.mean([g.parse_error for g in grades])), "avg_completion_length": new_tokens / B,
+                   "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
+                   "clip_frac": stats["clipped_tokens"] / T_all if args.num_iterations > 1 else 0.0,
+                   "logprob_mismatch": stats["mismatch_sum"] / T_all, "kl": stats.get("kl_sum", 0.0) / T_all,
+                   "tis_weight": stats.get("tis_weight_sum", T_all) / T_all, "skipped_steps": skipped, "version": version,
+                   "sync_s": sync_s, "step_s": time.time() - t0, "tokens_per_s": new_tokens / (time.time() - t0)}
+        for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
+            rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
+                                          "reward": g.reward, "correct": g.correct, "parse_error": g.parse_error, "advantage": a,
+                                          "versions": c["versions"]}) + "\n")
+        rollout_log.flush()
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate())
+        log(metrics, step)
+        if step % args.save_every == 0 or step == args.train_steps:
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
+            tokenizer.save_pretrained(path)
+            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped,
+                        "data_pos": data_pos, "order": order, "torch_rng": torch.get_rng_state(),
+                        "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))
+    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)

@@ -1,0 +1,151 @@
+"""Checks every copy of the grading block against the public case file, plus the pool's timing.
+
+Each module in MODULES is imported by name from the repository root (scripts must keep their
+work under `if __name__ == "__main__":`). It is imported by name rather than from a file path so
+that grade_batch's worker processes can import it too.
+"""
+
+import importlib
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["scratch_grading"]  # every module that carries a copy of the grading block
+CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _load(name):
+    return importlib.import_module(name)
+
+
+CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
+
+
+def test_case_file_shape():
+    assert len(CASES) >= 170
+    for c in CASES:
+        assert set(c) == {"completion", "gold", "correct", "parse_error", "source", "note"}
+        assert not (c["correct"] and c["parse_error"])
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['source'].split(' (')[0]}" for i, c in enumerate(CASES)])
+def test_grade_one(module, case):
+    g = _load(module).grade_one(case["completion"], case["gold"])
+    assert (g.correct, g.parse_error) == (case["correct"], case["parse_error"]), case["note"]
+    assert g.reward == (1.0 if case["correct"] else 0.0)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_gold_extractors(module):
+    m = _load(module)
+    assert m.gsm8k_gold("She pays 3 * 400 = <<3*400=1200>>1200 dollars.\n#### 1,200") == "1200"
+    assert m.gsm8k_gold("#### -7") == "-7"
+    assert m.math_gold(r"So $x = \boxed{\frac{\sqrt{3}}{2}}$.") == r"\frac{\sqrt{3}}{2}"
+    assert m.last_boxed(r"\boxed{1} then \boxed{2}") == "2"
+    assert m.last_boxed(r"\boxed{5 + ") is None and m.last_boxed(r"\boxed{}") is None
+    assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"
+    assert m.normalize_answer("1,2") == "1,2" and m.normalize_answer("1,234,567") == "1234567"
+    assert not m.is_equiv("12", "1.2") and not m.is_equiv("15", "150") and m.is_equiv("0.5", r"\frac12")
+
+
+# ---- grade_batch: wall-clock limit, worker replacement, threads ---------------------------------
+NORMAL = [  # (completion, gold, correct)
+    (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5", True),
+    (r"So the total is $\boxed{1,200}$ dollars.", "1200", True),
+    (r"Thus $x \in \boxed{[-2, 7]}$.", r"-2 \le x \le 7", True),
+    (r"Hence $\boxed{12}$.", "1.2", False),
+    (r"The roots are $\boxed{1, -2}$.", "-2, 1", True),
+    (r"We get $\boxed{15}$.", "150", False),
+]
+PATHOLOGICAL = [
+    r"The answer is $\boxed{9^{9^{9^{9}}}}$.",
+    r"The answer is $\boxed{10000000!}$.",
+    r"The answer is $\boxed{" + r"\frac{1}{" * 100 + "2" + "}" * 100 + "}$.",
+    "x" * 100_000,  # 100 KB of garbage, no box
+    r"$\boxed{" + "(a+b)" * 190 + "}$",  # long but under the length cap
+]
+
+
+def _check(grades, kinds):
+    for g, kind in zip(grades, kinds):
+        if kind is None:  # pathological: must score 0
+            assert g.reward == 0.0 and not g.correct
+        else:
+            assert g.correct == kind and g.parse_error is False
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("timeout_s", [1.0, 5.0])  # 1 s: kills stuck workers; 5 s: math-verify's own timeouts fire first
+def test_grade_batch_pathological_mixed(module, timeout_s):
+    m = _load(module)
+    m.grade_batch(["\\boxed{1}"], ["1"])  # start the pool outside the timed region
+    comps = [PATHOLOGICAL[0], NORMAL[0][0], NORMAL[1][0], PATHOLOGICAL[2], NORMAL[2][0], NORMAL[3][0]]
+    golds = ["5", NORMAL[0][1], NORMAL[1][1], "5", NORMAL[2][1], NORMAL[3][1]]
+    kinds = [None, True, True, None, True, False]
+    pids = {w[0].pid for w in m._POOL}
+    t = time.monotonic()
+    grades = m.grade_batch(comps, golds, timeout_s=timeout_s, workers=2)
+    elapsed = time.monotonic() - t
+    print(f"{module}: 2 pathological + 4 normal, timeout {timeout_s}s: {elapsed:.2f}s")
+    assert elapsed < timeout_s + 3
+    _check(grades, kinds)
+    if timeout_s < m.MV_TIMEOUT_S:  # math-verify's alarms come too late: stuck workers were replaced
+        assert grades[0].parse_error and grades[3].parse_error
+        assert pids != {w[0].pid for w in m._POOL}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_grade_batch_all_pathological_then_normal(module):
+    m = _load(module)
+    timeout_s = 1.0
+    comps = PATHOLOGICAL + [c for c, _, _ in NORMAL]
+    golds = ["5"] * len(PATHOLOGICAL) + [g for _, g, _ in NORMAL]
+    kinds = [None] * len(PATHOLOGICAL) + [k for _, _, k in NORMAL]
+    t = time.monotonic()
+    grades = m.grade_batch(comps, golds, timeout_s=timeout_s, workers=2)
+    elapsed = time.monotonic() - t
+    waves = (len(PATHOLOGICAL) + 1) // 2  # stuck samples run two at a time
+    print(f"{module}: {len(PATHOLOGICAL)} pathological + {len(NORMAL)} normal: {elapsed:.2f}s")
+    assert elapsed < waves * (timeout_s + 1) + 2
+    _check(grades, kinds)
+    assert grades[3] == m.Grade(0.0, False, True)  # garbage without a box
+    # the pool recovered: the next batch is graded normally and quickly
+    t = time.monotonic()
+    _check(m.grade_batch([c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL]), [k for _, _, k in NORMAL])
+    assert time.monotonic() - t < 3
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_grade_batch_from_non_main_thread(module):
+    m = _load(module)
+    out = {}
+
+    def run():
+        try:
+            out["grades"] = m.grade_batch([c for c, _, _ in NORMAL] + [PATHOLOGICAL[1]],
+                                          [g for _, g, _ in NORMAL] + ["5"], timeout_s=2.0)
+        except BaseException as e:  # surfaced below
+            out["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(30)
+    assert not th.is_alive() and "error" not in out, out.get("error")
+    _check(out["grades"], [k for _, _, k in NORMAL] + [None])
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_grade_batch_matches_grade_one(module):
+    m = _load(module)
+    sample = CASES[::7]
+    grades = m.grade_batch([c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
+    assert [(g.correct, g.parse_error) for g in grades] == [(c["correct"], c["parse_error"]) for c in sample]
