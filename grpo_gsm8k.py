@@ -143,7 +143,7 @@ NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
     (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
-    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%", ""),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
     (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
 ]
 
@@ -156,6 +156,8 @@ def normalize_answer(s: str) -> str:
         s = s.strip().rstrip(".").strip()
         s = re.sub(r"^\\text\{\s*(" + NUM + r"[^{}]*)\}$", r"\1", s)  # \text{7 apples} -> 7 apples
         s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
+        m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
+        s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
         s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
         m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
         if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
@@ -650,6 +652,7 @@ if __name__ == "__main__":
             if nonfinite:
                 break
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
             if not torch.isfinite(grad_norm):
                 nonfinite = True
                 break
@@ -671,7 +674,7 @@ if __name__ == "__main__":
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         total_tokens += new_tokens
-        metrics = {"loss": stats["loss"], "reward": rewards.mean().item(), "correct_rate": float(np.mean([g.correct for g in grades])),
+        metrics = {"loss": stats["loss"], "grad_norm": stats.get("grad_norm", 0.0), "reward": rewards.mean().item(), "correct_rate": float(np.mean([g.correct for g in grades])),
                    "parse_err_rate": float(np.mean([g.parse_error for g in grades])), "avg_completion_length": new_tokens / B,
                    "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
                    "clip_frac": stats["clipped_tokens"] / T_all if args.num_iterations > 1 else 0.0,

@@ -1,8 +1,9 @@
-"""Checks every copy of the grading block against the public case file, plus the pool's timing.
+"""Every copy of `grade` in the project against the public case file, plus the grading pool's limits.
 
-Each module in MODULES is imported by name from the repository root (scripts must keep their
-work under `if __name__ == "__main__":`). It is imported by name rather than from a file path so
-that grade_batch's worker processes can import it too.
+The case file (tests/grading_cases.jsonl) holds facts transcribed from public grader test suites, each
+naming its source. Each module in MODULES carries its own copy of the grading block (CleanRL's rule:
+scripts copy, they do not import each other); all of them must pass every case and agree on all of them.
+Modules are imported by name from the repository root so that grade_batch's spawned workers can too.
 """
 
 import importlib
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["scratch_grading"]  # every module that carries a copy of the grading block
+MODULES = ["grpo_gsm8k"]  # every script that carries a copy of the grading block
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
 
 if str(ROOT) not in sys.path:
@@ -38,23 +39,29 @@ def test_case_file_shape():
 
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['source'].split(' (')[0]}" for i, c in enumerate(CASES)])
-def test_grade_one(module, case):
-    g = _load(module).grade_one(case["completion"], case["gold"])
+def test_grade(module, case):
+    g = _load(module).grade(case["completion"], case["gold"])
     assert (g.correct, g.parse_error) == (case["correct"], case["parse_error"]), case["note"]
     assert g.reward == (1.0 if case["correct"] else 0.0)
 
 
+def test_all_copies_agree():
+    verdicts = {m: [tuple(_load(m).grade(c["completion"], c["gold"])) for c in CASES] for m in MODULES}
+    first = verdicts[MODULES[0]]
+    for m, v in verdicts.items():
+        assert v == first, [i for i, (a, b) in enumerate(zip(v, first)) if a != b]
+
+
 @pytest.mark.parametrize("module", MODULES)
-def test_gold_extractors(module):
+def test_extraction(module):
     m = _load(module)
-    assert m.gsm8k_gold("She pays 3 * 400 = <<3*400=1200>>1200 dollars.\n#### 1,200") == "1200"
-    assert m.gsm8k_gold("#### -7") == "-7"
-    assert m.math_gold(r"So $x = \boxed{\frac{\sqrt{3}}{2}}$.") == r"\frac{\sqrt{3}}{2}"
+    assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200").correct
+    assert m.grade("\\boxed{-7}", "#### -7").correct
     assert m.last_boxed(r"\boxed{1} then \boxed{2}") == "2"
     assert m.last_boxed(r"\boxed{5 + ") is None and m.last_boxed(r"\boxed{}") is None
     assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"
+    assert m.last_boxed(r"\boxed{\frac{\sqrt{3}}{2}}") == r"\frac{\sqrt{3}}{2}"
     assert m.normalize_answer("1,2") == "1,2" and m.normalize_answer("1,234,567") == "1234567"
-    assert not m.is_equiv("12", "1.2") and not m.is_equiv("15", "150") and m.is_equiv("0.5", r"\frac12")
 
 
 # ---- grade_batch: wall-clock limit, worker replacement, threads ---------------------------------
@@ -87,20 +94,20 @@ def _check(grades, kinds):
 @pytest.mark.parametrize("timeout_s", [1.0, 5.0])  # 1 s: kills stuck workers; 5 s: math-verify's own timeouts fire first
 def test_grade_batch_pathological_mixed(module, timeout_s):
     m = _load(module)
-    m.grade_batch(["\\boxed{1}"], ["1"])  # start the pool outside the timed region
+    m.grade_batch(["\\boxed{1}"], ["1"], timeout_s=30)  # start the pool outside the timed region
     comps = [PATHOLOGICAL[0], NORMAL[0][0], NORMAL[1][0], PATHOLOGICAL[2], NORMAL[2][0], NORMAL[3][0]]
     golds = ["5", NORMAL[0][1], NORMAL[1][1], "5", NORMAL[2][1], NORMAL[3][1]]
     kinds = [None, True, True, None, True, False]
-    pids = {w[0].pid for w in m._POOL}
+    pids = {w[0].pid for w in m.GRADERS}
     t = time.monotonic()
     grades = m.grade_batch(comps, golds, timeout_s=timeout_s, workers=2)
     elapsed = time.monotonic() - t
     print(f"{module}: 2 pathological + 4 normal, timeout {timeout_s}s: {elapsed:.2f}s")
     assert elapsed < timeout_s + 3
     _check(grades, kinds)
-    if timeout_s < m.MV_TIMEOUT_S:  # math-verify's alarms come too late: stuck workers were replaced
+    if timeout_s < 3:  # math-verify's own timeouts are 3 s  # math-verify's alarms come too late: stuck workers were replaced
         assert grades[0].parse_error and grades[3].parse_error
-        assert pids != {w[0].pid for w in m._POOL}
+        assert pids != {w[0].pid for w in m.GRADERS}
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -120,7 +127,7 @@ def test_grade_batch_all_pathological_then_normal(module):
     assert grades[3] == m.Grade(0.0, False, True)  # garbage without a box
     # the pool recovered: the next batch is graded normally and quickly
     t = time.monotonic()
-    _check(m.grade_batch([c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL]), [k for _, _, k in NORMAL])
+    _check(m.grade_batch([c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
     assert time.monotonic() - t < 3
 
 
@@ -144,7 +151,7 @@ def test_grade_batch_from_non_main_thread(module):
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_grade_batch_matches_grade_one(module):
+def test_grade_batch_matches_grade(module):
     m = _load(module)
     sample = CASES[::7]
     grades = m.grade_batch([c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
