@@ -20,13 +20,26 @@ default, as in DAPO and Dr. GRPO). What this file keeps and drops:
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
 """
 
+import atexit
 import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import multiprocessing as mp
 import os
 import re
+import shlex
+import socket
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Literal, NamedTuple, Optional
+
+import requests
 
 # The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
 
@@ -190,11 +203,11 @@ def grade(completion: str, gold: str) -> Grade:
 
 
 def grade_worker(conn) -> None:
-    conn.send(None)  # ready
-    while True:
+    conn.send(None)  # ready: imports done, the deadline of its first sample may start
+    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
         try:
             conn.send(tuple(grade(*conn.recv())))
-        except EOFError:
+        except EOFError:  # the trainer is gone
             return
 
 
@@ -204,17 +217,13 @@ GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
 def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2) -> list[Grade]:
     """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
     sample scores 0 with parse_error. The rest of the batch is unaffected."""
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
     ctx = mp.get_context("spawn")
 
-    def start(old=None):
+    def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
         if old is not None:
             old[0].kill(), old[0].join(1), old[1].close()
         a, b = ctx.Pipe()
-        p = ctx.Process(target=grade_worker, args=(b,), daemon=True)
-        p.start()
+        (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
 
     while len(GRADERS) < workers:
@@ -294,16 +303,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
     else:
         raise ValueError(loss_type)
     if stats is not None:  # sums over tokens, so micro-batches add up
-        with torch.no_grad():
-            stats["clipped_tokens"] = stats.get("clipped_tokens", 0) + ((ratio != clipped).float() * mask).sum().item()
-            if beta:
-                stats["kl_sum"] = stats.get("kl_sum", 0) + (kl * mask).sum().item()
-            if tis_cap is not None:
-                stats["tis_weight_sum"] = stats.get("tis_weight_sum", 0) + (w * mask).sum().item()
+        for key, x in [("clipped_tokens", (ratio != clipped).float()), ("kl_sum", kl if beta else None),
+                       ("tis_weight_sum", w if tis_cap is not None else None)]:
+            stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
     return loss
 
 
-def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 1024):
+def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
     """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into
     [B, T-1]), without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and
     is recomputed in backward (checkpoint), so at most one [chunk, V] block of logits is alive."""
@@ -323,24 +329,36 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 10
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch.
-    Sorting by length first keeps the padding small (a micro-batch holds sequences of similar length)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
+    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
     batches, cur = [], []
-    for i in order:  # lengths decrease, so the first sequence of a micro-batch is its longest
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
         if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            batches.append(cur)
-            cur = []
+            batches, cur = batches + [cur], []
         cur.append(i)
     return batches + [cur] if cur else batches
+
+
+def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
+    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    import torch
+
+    L = max(len(seqs[i]) for i in idx)
+    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
+    Tc = max(1, max(n_comp))
+    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+                      dtype=torch.long, device=device)  # [N]
+    return ids, attn, mask, at
 
 
 # ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
     """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
-    import requests
-
     for attempt in range(retries):
         try:
             r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
@@ -356,8 +374,6 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
 def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
     bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
-    import math
-
     buckets, size, items = [], 0, []
     for p in params:
         nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
@@ -373,17 +389,11 @@ def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
-    import datetime
-    import json
-    import socket
-
-    import requests
     import torch.distributed as dist
 
     info = requests.get(url + "/health", timeout=30).json()
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+        port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
     timeout = datetime.timedelta(seconds=300)
     world_size = 2  # this trainer + one server worker (tensor_parallel_size 1)
@@ -407,8 +417,6 @@ def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -
     """Broadcast every parameter (cast to the server's dtype) in buckets; returns the server's report.
     1 MiB buckets: large tensors travel alone and uncopied, small ones (norms, biases) together;
     bench/weight_sync.py measured this against one broadcast per tensor and larger buckets."""
-    import json
-
     import torch
     import torch.distributed as dist
 
@@ -441,26 +449,19 @@ def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -
 
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
-    import hashlib
-
-    import requests
     import torch
 
     dtype = getattr(torch, sync["dtype"])
     ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-            for n, p in model.state_dict().items()}
+            for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the server reports it
     theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600).json()["checksums"]
-    bad = [n for n in theirs if ours.get(n) != theirs[n]]
-    if bad or set(ours) != set(theirs):
-        raise RuntimeError(f"weights differ after the push: {bad[:5]} (and {len(bad) - 5 if len(bad) > 5 else 0} more); "
-                           f"names only on one side: {sorted(set(ours) ^ set(theirs))[:5]}")
+    if ours != theirs:
+        raise RuntimeError(f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
     return len(theirs)
 
 
 def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seed: int):
     """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i}
         return post(url, "/generate", body).json()["results"][0]
@@ -471,20 +472,11 @@ def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max
 
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
-    import atexit
-    import shlex
-    import signal
-    import subprocess
-
-    import requests
-
-    env = dict(os.environ)
-    if args.vllm_gpu >= 0 and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
-        env["CUDA_VISIBLE_DEVICES"] = str(args.vllm_gpu)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.vllm_gpu)}
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
            "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGTERM))
+    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     for _ in range(1200):
         if proc.poll() is not None:
@@ -511,7 +503,6 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)  # before the heavy imports: --help is instant
 
-    import json
     import random
 
     import numpy as np
@@ -534,17 +525,14 @@ if __name__ == "__main__":
         from rich.console import Console
         from rich.table import Table
 
-        console = Console()
-
     def log(metrics: dict, step: int) -> None:
+        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
-            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()), flush=True)
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "rich" in loggers:
-            table = Table(title=f"step {step}")
-            for k in metrics:
-                table.add_column(k)
-            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in metrics.values()))
-            console.print(table)
+            table = Table("metric", "value", title=f"step {step}")
+            [table.add_row(k, v) for k, v in text.items()]
+            Console().print(table)
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
@@ -552,45 +540,42 @@ if __name__ == "__main__":
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     def prompt_ids(question: str) -> list[int]:
-        msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [{"role": "user", "content": question}]
-        return tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
 
-    train = load_split(args.dataset, "train")[: args.limit]
-    test = load_split(args.dataset, "test")[: args.eval_limit]
+    train, test = load_split(args.dataset, "train")[: args.limit], load_split(args.dataset, "test")[: args.eval_limit]
 
-    # model, optimizer, optional frozen reference; resume from the newest checkpoint
+    # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
     step, version, skipped, data_pos = 0, 0, 0, 0
-    ckpts = sorted((int(d.split("_")[1]), d) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
-    load_from = os.path.join(args.checkpoint_dir, ckpts[-1][1]) if args.resume and ckpts else args.model
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)  # fp32 master weights
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
+    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
+    model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    model.train()
     ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
         state = torch.load(os.path.join(load_from, "trainer_state.pt"), weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
-        step, version, skipped, data_pos, order = state["step"], state["version"], state["skipped"], state["data_pos"], state["order"]
+        step, version, skipped, data_pos, order = (state[k] for k in ("step", "version", "skipped", "data_pos", "order"))
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     sync = init_weight_sync(url, device)
-    push_weights(sync, model, version)  # the server may hold other weights (a checkpoint, an earlier run)
+    push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
-        results = generate(url, [prompt_ids(r["question"]) for r in test], 1, args.eval_temperature, args.max_completion_tokens, args.concurrency, args.seed)
-        texts = [res["completions"][0]["text"] for res in results]
-        grades = grade_batch(texts, [r["answer"] for r in test], args.grade_timeout_s)
+        results = generate(url, [prompt_ids(r["question"]) for r in test], 1, args.eval_temperature,
+                           args.max_completion_tokens, args.concurrency, args.seed)
+        grades = grade_batch([res["completions"][0]["text"] for res in results], [r["answer"] for r in test], args.grade_timeout_s)
         return {"eval/accuracy": float(np.mean([g.correct for g in grades])), "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
                 "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results]))}
 
     if args.eval_before_start and step == 0:
         log(evaluate(), step)
-
-    rollout_log = open(args.rollout_log, "a")
-    total_tokens, start_time = 0, time.time()
+    rollout_log, total_tokens, start_time = open(args.rollout_log, "a"), 0, time.time()
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
@@ -607,57 +592,44 @@ if __name__ == "__main__":
         # 3) advantages, relative to each prompt's group
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
-        # 4) loss and update, micro-batched by padded token count
+        # 4) loss and update: num_iterations optimizer steps, each over all micro-batches of the batch
         seqs = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps]
         n_prompt = [len(p) for _, p, _ in comps]
-        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]  # completion tokens kept after truncation
+        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
-        B, T_all = len(seqs), max(1, sum(n_comp))
-        old_lp: dict = {}  # micro-batch -> trainer logprobs before this step's first update (pi_old)
-        stats: dict = {"mismatch_sum": 0.0, "loss": 0.0}
-        nonfinite = False
+        B, T_all, old_lp, stats, bad = len(seqs), max(1, sum(n_comp)), {}, {"mismatch_sum": 0.0, "loss": 0.0}, False
         for it in range(args.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             for m, idx in enumerate(micro):
-                L = max(len(seqs[i]) for i in idx)
-                ids = torch.tensor([seqs[i] + [tokenizer.pad_token_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-                attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-                # completion token j of row r sits at position n_prompt + j; it is predicted at the position before
-                Tc = max(1, max(n_comp[i] for i in idx))
-                mask = torch.tensor([[1] * n_comp[i] + [0] * (Tc - n_comp[i]) for i in idx], device=device)  # [b, Tc]
-                at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[i])], device=device, dtype=torch.long)
+                ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
                 with autocast:
-                    flat = token_logprobs(model, ids, attn, at)  # [N]
-                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
-                vllm_lp = torch.tensor([comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (Tc - n_comp[i]) for i in idx], device=device)  # [b, Tc]
-                if it == 0:  # on the first pass the policy is still pi_old: ratio = exp(0) = 1, gradient = REINFORCE's
+                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(model, ids, attn, at).float())  # [b, Tc]
+                    ref_lp = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref_lp = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(ref_model, ids, attn, at).float())
+                vllm_lp = torch.tensor([c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx for c in [comps[i]]], device=device)
+                if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
                     stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
-                ref_lp = None
-                if ref_model is not None:
-                    with torch.no_grad(), autocast:
-                        flat_ref = token_logprobs(ref_model, ids, attn, at)
-                    ref_lp = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat_ref.float())
-                loss = policy_loss(logprobs, old_lp[m], advantages[idx].to(device), mask, args.clip_eps_low, args.clip_eps_high, args.loss_type,
-                                   ref_logprobs=ref_lp, beta=args.beta, sampling_logprobs=vllm_lp, tis_cap=args.tis_cap,
+                loss = policy_loss(logprobs, old_lp[m], advantages[idx].to(device), mask, args.clip_eps_low, args.clip_eps_high,
+                                   args.loss_type, ref_logprobs=ref_lp, beta=args.beta, sampling_logprobs=vllm_lp, tis_cap=args.tis_cap,
                                    max_completion_length=args.max_completion_tokens, stats=stats if it == 0 else None)
-                # the loss above is a mean over this micro-batch; rescale so the sum over micro-batches is the
-                # loss of the whole batch, whatever the split (grpo/dr_grpo: per sequence, dapo: per token)
+                # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
+                # the whole batch, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
                 loss = loss * (sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B)
                 if not torch.isfinite(loss):
-                    nonfinite = True
+                    bad = True
                     break
                 loss.backward()
                 stats["loss"] += loss.item() if it == 0 else 0.0
-            if nonfinite:
-                break
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
-            if not torch.isfinite(grad_norm):
-                nonfinite = True
+            if bad or not torch.isfinite(grad_norm):
+                bad = True
                 break
             optimizer.step()
-        if nonfinite:  # skip the step: no update, nothing pushed
+        if bad:  # skip the step: no update, nothing pushed
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
@@ -665,7 +637,7 @@ if __name__ == "__main__":
 
         # 5) push weights to vLLM
         sync_s = 0.0
-        if not nonfinite and step % args.sync_every_steps == 0:
+        if not bad and step % args.sync_every_steps == 0:
             version += 1
             sync_s = push_weights(sync, model, version)["seconds"]
             if args.verify_sync:
@@ -674,13 +646,13 @@ if __name__ == "__main__":
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         total_tokens += new_tokens
-        metrics = {"loss": stats["loss"], "grad_norm": stats.get("grad_norm", 0.0), "reward": rewards.mean().item(), "correct_rate": float(np.mean([g.correct for g in grades])),
-                   "parse_err_rate": float(np.mean([g.parse_error for g in grades])), "avg_completion_length": new_tokens / B,
-                   "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
-                   "clip_frac": stats["clipped_tokens"] / T_all if args.num_iterations > 1 else 0.0,
-                   "logprob_mismatch": stats["mismatch_sum"] / T_all, "kl": stats.get("kl_sum", 0.0) / T_all,
-                   "tis_weight": stats.get("tis_weight_sum", T_all) / T_all, "skipped_steps": skipped, "version": version,
-                   "sync_s": sync_s, "step_s": time.time() - t0, "tokens_per_s": new_tokens / (time.time() - t0)}
+        metrics = {"loss": stats["loss"], "grad_norm": stats.get("grad_norm", 0.0), "reward": rewards.mean().item(),
+                   "correct_rate": float(np.mean([g.correct for g in grades])), "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+                   "avg_completion_length": new_tokens / B, "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
+                   "clip_frac": stats.get("clipped_tokens", 0.0) / T_all, "logprob_mismatch": stats["mismatch_sum"] / T_all,
+                   "kl": stats.get("kl_sum", 0.0) / T_all, "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
+                   "skipped_steps": skipped, "version": version, "sync_s": sync_s, "step_s": time.time() - t0,
+                   "tokens_per_s": new_tokens / (time.time() - t0)}
         for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
             rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
                                           "reward": g.reward, "correct": g.correct, "parse_error": g.parse_error, "advantage": a,
@@ -693,7 +665,7 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
             tokenizer.save_pretrained(path)
-            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped,
-                        "data_pos": data_pos, "order": order, "torch_rng": torch.get_rng_state(),
-                        "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))
+            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped, "data_pos": data_pos,
+                        "order": order, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                        "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)

@@ -182,12 +182,9 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy):
             server_lp.append(c["logprobs"])
     worst = 0.0
     for idx in G.pack_micro_batches([len(s) for s in seqs], 64):  # small budget: several micro-batches
-        L = max(len(seqs[i]) for i in idx)
-        ids = torch.tensor([seqs[i] + [0] * (L - len(seqs[i])) for i in idx])
-        attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx])
-        at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(len(seqs[i]) - n_prompt[i])])
+        ids, attn, mask, at = G.micro_batch(seqs, n_prompt, idx, pad_id=0, device=torch.device("cpu"))
         with torch.no_grad():
-            flat = G.token_logprobs(model, ids, attn, at, chunk=7)  # small chunks: several lm_head blocks
+            flat = G.token_logprobs(model.train(), ids, attn, at, chunk=7)  # small chunks: several lm_head blocks
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())
     assert worst < 1e-4, worst
