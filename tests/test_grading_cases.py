@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo_gsm8k"]  # every script that carries a copy of the grading block
+MODULES = ["grpo_gsm8k", "eval"]  # every script that carries a copy of the grading block
+# Extra arguments of a module's grade(completion, gold, ...): eval.py grades several tasks; its "math500" takes
+# the gold as an already-extracted answer, as the case file writes it (MATH-500's `answer` field).
+GRADE_ARGS = {"eval": ("math500",)}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
 
 if str(ROOT) not in sys.path:
@@ -25,6 +28,10 @@ if str(ROOT) not in sys.path:
 
 def _load(name):
     return importlib.import_module(name)
+
+
+def _grade(name, completion, gold):
+    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()))
 
 
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
@@ -40,13 +47,13 @@ def test_case_file_shape():
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['source'].split(' (')[0]}" for i, c in enumerate(CASES)])
 def test_grade(module, case):
-    g = _load(module).grade(case["completion"], case["gold"])
+    g = _grade(module, case["completion"], case["gold"])
     assert (g.correct, g.parse_error) == (case["correct"], case["parse_error"]), case["note"]
     assert g.reward == (1.0 if case["correct"] else 0.0)
 
 
 def test_all_copies_agree():
-    verdicts = {m: [tuple(_load(m).grade(c["completion"], c["gold"])) for c in CASES] for m in MODULES}
+    verdicts = {m: [tuple(_grade(m, c["completion"], c["gold"])) for c in CASES] for m in MODULES}
     first = verdicts[MODULES[0]]
     for m, v in verdicts.items():
         assert v == first, [i for i, (a, b) in enumerate(zip(v, first)) if a != b]
@@ -55,8 +62,9 @@ def test_all_copies_agree():
 @pytest.mark.parametrize("module", MODULES)
 def test_extraction(module):
     m = _load(module)
-    assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200").correct
-    assert m.grade("\\boxed{-7}", "#### -7").correct
+    gsm8k = ("gsm8k",) if module == "eval" else ()  # golds in GSM8K's raw form
+    assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200", *gsm8k).correct
+    assert m.grade("\\boxed{-7}", "#### -7", *gsm8k).correct
     assert m.last_boxed(r"\boxed{1} then \boxed{2}") == "2"
     assert m.last_boxed(r"\boxed{5 + ") is None and m.last_boxed(r"\boxed{}") is None
     assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"

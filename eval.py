@@ -1,0 +1,412 @@
+# docs and experiment results: README.md#evalpy
+"""Accuracy of a model on GSM8K or MATH-500: generate with vllm_sync_server.py, grade with math-verify.
+
+Evaluation is the other half of RL with verifiable rewards: the verifier that hands out rewards in training
+(the last \\boxed{} answer, normalised, checked by math-verify; copied from grpo_gsm8k.py) scores held-out
+problems here, so this script's accuracy and grpo_gsm8k.py's reward mean the same thing. What it does:
+  - one zero-shot chat prompt per problem: the model's own chat template, an optional system prompt, the
+    question as it is. Defaults mirror Qwen's GSM8K evaluation (greedy, no system prompt). The template,
+    applied to a placeholder question, is written to the output: the template alone moves scores by points;
+  - `--n` samples per problem: accuracy of the first sample (the greedy one at temperature 0), and pass@k for
+    k = 1, 2, 4, ... <= n with the unbiased estimator of Chen et al. 2021;
+  - `--strict-format`: credit only for `<think>...</think>` followed by a boxed answer (the R1 format);
+  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py.
+
+  # one GPU: the server is started for you; the first 250 GSM8K test problems, greedy
+  python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
+  # against a running server (it must serve --model), all of MATH-500, 8 samples per problem: pass@1..8
+  python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct
+  python eval.py --model Qwen/Qwen2.5-7B-Instruct --task math500 --limit 0 --n 8 --temperature 0.6 --max-tokens 2048
+"""
+
+import atexit
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Literal, NamedTuple, Optional
+
+import requests
+
+# The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
+
+
+@dataclass
+class Args:
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face model id or local directory (a grpo_gsm8k.py checkpoint works); the server must serve it"""
+    task: Literal["gsm8k", "math500"] = "gsm8k"
+    """benchmark: GSM8K (gold: the number after ####) or MATH-500 (gold: the answer, or a solution's last box)"""
+    dataset: Optional[str] = None
+    """Hugging Face dataset, or a local directory with {split}.jsonl in its schema (None: openai/gsm8k, config main, or HuggingFaceH4/MATH-500)"""
+    split: str = "test"
+    """dataset split"""
+    limit: int = 250
+    """evaluate the first `limit` problems of the split (0: all of them)"""
+    n: int = 1
+    """samples per problem; pass@k is reported for k = 1, 2, 4, ... <= n (n > 1 needs --temperature > 0)"""
+    temperature: float = 0.0
+    """sampling temperature (0: greedy, as Qwen's GSM8K evaluation)"""
+    max_tokens: int = 512
+    """maximum new tokens per completion (a truncated answer has no box: a parse error)"""
+    system_prompt: str = ""
+    """system prompt ("" for none; a chat template may then insert its own default, as Qwen2.5's does)"""
+    strict_format: bool = False
+    """credit only `<think>...</think>` followed by a \\boxed{} answer after </think>"""
+    out: Optional[str] = None
+    """JSONL file: one line per problem, then a summary line (None: {task}_eval.jsonl)"""
+    seed: int = 1
+    """seed of the sampling: sample j of problem i gets seed + i * n + j"""
+    vllm_host: str = "127.0.0.1"
+    """host of vllm_sync_server.py"""
+    vllm_port: int = 8000
+    """port of vllm_sync_server.py"""
+    start_server: bool = False
+    """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit"""
+    vllm_gpu: int = 0
+    """GPU of the server with --start-server"""
+    server_args: str = ""
+    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
+    concurrency: int = 32
+    """generation requests in flight"""
+    grade_timeout_s: float = 5.0
+    """wall-clock limit for grading one completion"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grading: copied from grpo_gsm8k.py (normalize_answer and the math-verify call are identical, so every copy
+# agrees: tests/test_grading_cases.py), plus what evaluation needs: MATH golds and the strict R1 format.
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, bad format, unparsable, timed out
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
+    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
+    if not boxes:
+        return None
+    i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
+    if not text.startswith("{", i):
+        m = re.match(r"[^\s$]+", text[i:])
+        return m.group(0) if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip() or None
+    return None  # truncated or unbalanced
+
+
+NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
+    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+]
+
+
+def normalize_answer(s: str) -> str:
+    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    for pattern, repl in SUBS:
+        s = re.sub(pattern, repl, s.strip())
+    for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
+        s = s.strip().rstrip(".").strip()
+        s = re.sub(r"^\\text\{\s*(" + NUM + r"[^{}]*)\}$", r"\1", s)  # \text{7 apples} -> 7 apples
+        s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
+        m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
+        s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
+        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
+        if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
+            s = m.group(1)
+    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+        s = re.sub(r"[, ]", "", s)
+    s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
+    return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
+
+
+def extract_answer(completion: str, strict_format: bool = False) -> Optional[str]:
+    """The answer that gets graded: the last box of the completion. With strict_format the completion must be
+    `<think>...</think>` then text holding the box; a box only inside the think block does not count."""
+    if strict_format:
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)  # the first </think> closes the block
+        if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
+            return None  # no think block, an unclosed one, or stray tags after it
+        completion = m.group(2)
+    return last_boxed(completion)
+
+
+def gold_answer(gold: str, task: str) -> str:
+    """GSM8K: its raw `answer` field ('... #### 1,200') -> '1200'. MATH: a `solution` -> its last box (nested
+    braces kept); MATH-500's `answer` field (no box) is already the answer."""
+    if task == "gsm8k":
+        return re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
+    if task != "math500":
+        raise ValueError(f"unknown task {task!r}")
+    return (last_boxed(gold) or gold) if re.search(r"\\(?:boxed|fbox)(?![a-zA-Z])", gold) else gold
+
+
+def grade(completion: str, gold: str, task: str, strict_format: bool = False) -> Grade:
+    """Reward of one completion against a raw gold field of `task`. Call it in a main thread (math-verify's
+    timeouts use signals) or through grade_batch."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    box = extract_answer(completion, strict_format)
+    if box is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = gold_answer(gold, task)
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    try:  # never str() a parsed object: printing a deep expression can hang
+        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
+        if not pred:
+            return Grade(0.0, False, True)
+        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
+        ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
+    except Exception:
+        return Grade(0.0, False, True)
+    return Grade(float(ok), bool(ok), False)
+
+
+def grade_worker(conn) -> None:
+    conn.send(None)  # ready: imports done, the deadline of its first sample may start
+    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
+        try:
+            conn.send(tuple(grade(*conn.recv())))
+        except EOFError:  # the evaluation is gone
+            return
+
+
+GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
+
+
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2,
+                task: str = "math500", strict_format: bool = False) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
+    sample scores 0 with parse_error. The rest of the batch is unaffected."""
+    ctx = mp.get_context("spawn")
+
+    def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
+        if old is not None:
+            old[0].kill(), old[0].join(1), old[1].close()
+        a, b = ctx.Pipe()
+        (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
+        return [p, a, False]
+
+    while len(GRADERS) < workers:
+        GRADERS.append(start())
+    results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
+    while todo or busy:
+        for w, (proc, conn, ready) in enumerate(GRADERS):
+            if ready and w not in busy and todo:
+                i = todo.pop()
+                conn.send((completions[i], golds[i], task, strict_format))
+                busy[w] = (i, time.monotonic() + timeout_s)  # the clock starts when the sample is handed out
+        pending = {GRADERS[w][1]: w for w in range(workers) if w in busy or not GRADERS[w][2]}
+        deadline = min((d for _, d in busy.values()), default=time.monotonic() + 60)
+        for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            w = pending[conn]
+            try:
+                msg = conn.recv()
+            except EOFError:  # the worker died: its sample keeps the default verdict
+                busy.pop(w, None)
+                GRADERS[w] = start(GRADERS[w])
+                continue
+            if w in busy:
+                results[busy.pop(w)[0]] = Grade(*msg)
+            else:
+                GRADERS[w][2] = True
+        for w, (i, d) in list(busy.items()):
+            if time.monotonic() >= d:
+                del busy[w]
+                GRADERS[w] = start(GRADERS[w])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k (the chance that at least one of k samples is right) from n >= k samples of
+    which c are right (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1):
+        1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i)
+    The product form never builds the huge binomials, so it is exact to float precision for any n."""
+    if n - c < k:
+        return 1.0  # every k-subset holds a right sample
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n."""
+    return [2**j for j in range(n.bit_length())]
+
+
+def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: list[list[int]]) -> dict:
+    """Per-problem lists of n samples -> the reported metrics. `accuracy` scores the first sample of each
+    problem (greedy at temperature 0); the rates and lengths average over all samples."""
+    flat = lambda xs: [x for row in xs for x in row]  # noqa: E731
+    n = len(correct[0])
+    m = {"accuracy": sum(row[0] for row in correct) / len(correct),
+         "correct_rate": sum(flat(correct)) / len(flat(correct)),
+         "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
+         "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
+         "total_completion_tokens": sum(flat(tokens))}
+    for k in pass_ks(n):
+        m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the client side of vllm_sync_server.py, and the data
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+    for attempt in range(retries):
+        try:
+            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
+            return r
+        except requests.ConnectionError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+            time.sleep(2**attempt)
+
+
+def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
+             seed: int, on_done=None):
+    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt. The
+    server seeds sample j of a request with seed + j, so seed + i * n gives every sample its own seed."""
+    def one(i):
+        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i * n}
+        result = post(url, "/generate", body).json()["results"][0]
+        if on_done is not None:
+            on_done()
+        return result
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def start_vllm_server(args: Args, log_path: str):
+    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.vllm_gpu)}
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
+           "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm_sync_server.py exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            time.sleep(0.5)
+    raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+
+
+DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
+
+
+def load_split(dataset: str, split: str, task: str) -> list[dict]:
+    """Rows in the task's schema: GSM8K {question, answer}; MATH-500 {problem, solution, answer, subject, level,
+    unique_id} (the original MATH, without `answer`, works too). From the hub or `dataset`/{split}.jsonl."""
+    if os.path.isdir(dataset):
+        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(dataset, "main", split=split) if task == "gsm8k" else datasets.load_dataset(dataset, split=split))
+
+
+if __name__ == "__main__":
+    import tyro
+
+    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+    if args.n > 1 and args.temperature == 0:
+        raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    from transformers import AutoTokenizer
+
+    # TRY NOT TO MODIFY: server, data (the only randomness is the sampling, seeded per request on the server)
+    start_time, console = time.time(), Console()
+    url, out = f"http://{args.vllm_host}:{args.vllm_port}", args.out or f"{args.task}_eval.jsonl"
+    if args.start_server:
+        start_vllm_server(args, "vllm_server.log")
+    served = requests.get(url + "/health", timeout=30).json().get("model")
+    if served != args.model:  # the tokenizer and template come from --model, the completions from the server
+        console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
+    dataset = args.dataset or DEFAULT_DATASET[args.task]
+    rows = load_split(dataset, args.split, args.task)
+    rows = rows[: args.limit] if args.limit else rows
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    def render(question: str) -> str:
+        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        return tokenizer.apply_chat_template(msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+
+    template = render("{question}")  # what every prompt looks like; goes into the summary
+    # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
+    think_prefilled = template.rstrip().endswith("<think>")
+
+    # 1) prompts: the question as it is, in the model's chat template (zero-shot, no answer-format hint
+    #    unless the system prompt gives one); gold = the raw answer field (MATH without `answer`: the solution)
+    questions = [r["question"] if args.task == "gsm8k" else r["problem"] for r in rows]
+    golds = [r["answer"] if args.task == "gsm8k" else (r.get("answer") or r["solution"]) for r in rows]
+    prompts = [render(q) for q in questions]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+
+    # 2) generate: n samples per problem, progress on stderr (stdout keeps the table)
+    columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        bar = progress.add_task("generate", total=len(rows))
+        results = generate(url, prompt_ids, args.n, args.temperature, args.max_tokens, args.concurrency, args.seed,
+                           on_done=lambda: progress.advance(bar))
+    samples = [res["completions"] for res in results]  # [problems][n]
+    texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
+
+    # 3) grade: every sample against its problem's gold, in worker processes with a wall-clock limit
+    grades = grade_batch(texts, [g for g in golds for _ in range(args.n)], args.grade_timeout_s,
+                         task=args.task, strict_format=args.strict_format)
+    per = lambda xs: [xs[i * args.n : (i + 1) * args.n] for i in range(len(rows))]  # noqa: E731  flat -> [problems][n]
+    correct, parse_error = per([g.correct for g in grades]), per([g.parse_error for g in grades])
+    tokens = [[len(c["token_ids"]) for c in cs] for cs in samples]
+
+    # 4) metrics: first-sample accuracy, rates over all samples, pass@k
+    metrics = summarize(correct, parse_error, tokens)
+
+    # 5) log: one JSONL line per problem, a summary line, a table
+    graded = per(texts)
+    with open(out, "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({
+                "index": i, "id": row.get("unique_id", i), "prompt": prompts[i], "gold": golds[i],
+                "gold_answer": gold_answer(golds[i], args.task), "completions": [c["text"] for c in samples[i]],
+                "extracted": [extract_answer(t, args.strict_format) for t in graded[i]], "correct": correct[i],
+                "parse_error": parse_error[i], "tokens": tokens[i], "finish_reason": [c["finish_reason"] for c in samples[i]],
+            }) + "\n")
+        summary = {**metrics, "num_problems": len(rows), "n": args.n, "model": args.model, "served_model": served,
+                   "task": args.task, "dataset": dataset, "split": args.split, "limit": args.limit,
+                   "temperature": args.temperature, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
+                   "template": template, "strict_format": args.strict_format, "seed": args.seed,
+                   "elapsed_s": time.time() - start_time}
+        f.write(json.dumps({"summary": summary}) + "\n")
+    table = Table("metric", "value", title=f"{args.task} {args.split}: {len(rows)} problems x {args.n}")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console.print(table)
+    console.print(f"model {args.model}, template {template!r}; {len(rows) + 1} lines written to {out} "
+                  f"in {time.time() - start_time:.1f}s", soft_wrap=True, markup=False)

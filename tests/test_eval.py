@@ -1,0 +1,259 @@
+"""eval.py: pass@k against its closed form and brute force, the grading of both tasks and of the strict
+<think> format, --help without torch, and the real script end to end against a real vllm_sync_server on CPU
+(tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here."""
+
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from fractions import Fraction
+
+import pytest
+import requests
+from conftest import PY, ROOT, free_port, start_server, stop_server
+
+sys.path.insert(0, ROOT)
+import eval as E  # noqa: E402
+
+EVAL = os.path.join(ROOT, "eval.py")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+MATH500 = [json.loads(line) for line in open(os.path.join(FIXTURES, "math500", "test.jsonl"))]
+
+
+# ---------------------------------------------------------------------------------------------------
+# pass@k
+def brute_pass_at_k(n, c, k):
+    """Fraction of the k-subsets of n samples (c of them right) that hold at least one right sample."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return Fraction(sum(any(samples[i] for i in s) for s in subsets), len(subsets))
+
+
+def test_pass_at_k_against_brute_force_and_closed_form():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                want = brute_pass_at_k(n, c, k)
+                closed = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))  # comb(m, k) = 0 for k > m
+                assert want == closed
+                assert abs(E.pass_at_k(n, c, k) - float(want)) < 1e-12, (n, c, k)
+    # large n: the product form stays exact where the binomials are astronomically large
+    for n, c, k in [(1000, 10, 100), (500, 1, 256), (200, 199, 128), (10000, 3, 2)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert abs(E.pass_at_k(n, c, k) - float(exact)) < 1e-12, (n, c, k)
+    assert E.pass_at_k(5, 0, 3) == 0.0 and E.pass_at_k(5, 3, 3) == 1.0  # n - c < k: certain
+    assert E.pass_at_k(7, 3, 1) == pytest.approx(3 / 7)  # pass@1 is the fraction right
+    assert E.pass_ks(1) == [1] and E.pass_ks(4) == [1, 2, 4] and E.pass_ks(6) == [1, 2, 4] and E.pass_ks(16)[-1] == 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# grading: both tasks' golds, and the strict format
+def test_gold_answers():
+    gsm = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,200"
+    assert E.gold_answer(gsm, "gsm8k") == "1200"
+    assert E.grade("So \\boxed{1,200}.", gsm, "gsm8k").correct
+    for row in MATH500:  # a MATH solution's last box (nested braces) is MATH-500's answer field
+        assert E.gold_answer(row["solution"], "math500") == row["answer"]
+        for gold in (row["solution"], row["answer"]):
+            assert E.grade(f"Thus the answer is $\\boxed{{{row['answer']}}}$.", gold, "math500") == (1.0, True, False)
+            assert E.grade("Thus the answer is $\\boxed{41}$.", gold, "math500") == (0.0, False, False)
+    assert E.gold_answer(r"First \boxed{1}, finally \boxed{\frac{1}{2}}.", "math500") == r"\frac{1}{2}"
+    with pytest.raises(ValueError):
+        E.gold_answer("5", "aime")
+
+
+def test_gsm8k_grade_agrees_with_grpo_gsm8k():
+    import grpo_gsm8k as G
+
+    gold = "Weng gets 4500 / 9 = <<4500/9=500>>500 apples.\n#### 1,500"
+    for c in ["\\boxed{1500}", "\\boxed{1,500}", "$\\boxed{\\$1,500.00}$", "1500", "\\boxed{1500", "\\boxed{15}",
+              "\\boxed{1500} or \\boxed{150}", "\\boxed{@@@}", "\\boxed{1.5\\text{ thousand}}"]:
+        assert E.grade(c, gold, "gsm8k") == G.grade(c, gold), c
+
+
+STRICT = [  # (completion, gold, (reward, correct, parse_error) with strict_format, the same without)
+    ("<think>2 + 5 = 7</think>\nThe answer is $\\boxed{7}$.", "7", (1.0, True, False), (1.0, True, False)),  # well-formed
+    ("<think>2 + 5 = 7</think>\\boxed{7}", "7", (1.0, True, False), (1.0, True, False)),  # bare box after </think>
+    ("  <think>\nadd\n</think>\n\n\\boxed{7}\n", "7", (1.0, True, False), (1.0, True, False)),  # whitespace around
+    ("<think>2 + 5 = 7</think>\\boxed{8}", "7", (0.0, False, False), (0.0, False, False)),  # well-formed, wrong
+    ("<think>so it is \\boxed{7}</think> The answer is 7.", "7", (0.0, False, True), (1.0, True, False)),  # box only in think
+    ("<think>so it is \\boxed{7}", "7", (0.0, False, True), (1.0, True, False)),  # missing </think>
+    ("<think>2 + 5 = 7. The answer is \\boxed{7}.", "7", (0.0, False, True), (1.0, True, False)),  # missing </think>
+    ("The answer is \\boxed{7}.", "7", (0.0, False, True), (1.0, True, False)),  # no think
+    ("2 + 5 = 7</think> \\boxed{7}", "7", (0.0, False, True), (1.0, True, False)),  # no opening tag
+    ("<think>x</think>\\boxed{7}</think>", "7", (0.0, False, True), (1.0, True, False)),  # stray tag after
+    ("<think>a<think>b</think>\\boxed{7}", "7", (0.0, False, True), (1.0, True, False)),  # nested think
+    ("<think>hmm</think>", "7", (0.0, False, True), (0.0, False, True)),  # no box at all
+    ("<think>hmm</think> so $\\boxed{\\frac{5}{6}}$", MATH500[0]["solution"], (1.0, True, False), (1.0, True, False)),  # nested braces
+    ("<think>hmm</think> $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$", MATH500[3]["answer"], (1.0, True, False), (1.0, True, False)),
+    ("<think>hmm</think> $\\boxed{\\frac{5}{6}$", "\\frac{5}{6}", (0.0, False, True), (0.0, False, True)),  # unbalanced box
+    ("<think>\\boxed{3}</think> first \\boxed{5}, no: \\boxed{7}", "7", (1.0, True, False), (1.0, True, False)),  # two boxes: the last
+    ("<think>\\boxed{7}</think> first \\boxed{7}, no: \\boxed{8}", "7", (0.0, False, False), (0.0, False, False)),
+]
+
+
+@pytest.mark.parametrize("case", STRICT, ids=[str(i) for i in range(len(STRICT))])
+def test_strict_format(case):
+    completion, gold, strict, loose = case
+    assert tuple(E.grade(completion, gold, "math500", strict_format=True)) == strict
+    assert tuple(E.grade(completion, gold, "math500")) == loose
+
+
+def test_grade_batch_passes_task_and_strict_format():
+    comps = [c for c, *_ in STRICT]
+    golds = [g for _, g, *_ in STRICT]
+    for strict, column in ((True, 2), (False, 3)):
+        got = E.grade_batch(comps, golds, timeout_s=10, task="math500", strict_format=strict)
+        assert [tuple(g) for g in got] == [case[column] for case in STRICT]
+    gsm = "... #### 1,500"
+    assert E.grade_batch(["\\boxed{1500}"], [gsm], timeout_s=10, task="gsm8k")[0].correct
+
+
+# ---------------------------------------------------------------------------------------------------
+# --help: fast, and before any heavy import
+def test_help_is_fast_and_imports_no_torch():
+    t0 = time.time()
+    r = subprocess.run([PY, EVAL, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--strict-format" in r.stdout and "--grade-timeout-s" in r.stdout
+    assert time.time() - t0 < 3
+    code = ("import runpy, sys\nsys.argv = ['eval.py', '--help']\ntry:\n    runpy.run_path(%r, run_name='__main__')\n"
+            "except SystemExit:\n    pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'datasets', 'vllm', 'math_verify') if m in sys.modules))") % EVAL
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True)
+    assert "HEAVY []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_greedy_with_several_samples_is_refused_before_any_work():
+    r = subprocess.run([PY, EVAL, "--n", "4", "--vllm-port", "1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "--temperature > 0" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: the real script against a real server
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    proc, url = start_server(tiny_model, str(tmp_path_factory.mktemp("eval_server") / "server.log"))
+    yield url
+    stop_server(proc)
+
+
+ROW = re.compile(r"^\s*[│|┃]\s*([\w@]+)\s*[│|┃]\s*([-+0-9.eE]+)\s*[│|┃]\s*$")
+
+
+def run_eval(workdir, *args, out, timeout=600):
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.time()
+    r = subprocess.run([PY, EVAL, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    print(f"eval.py {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
+    lines = [json.loads(x) for x in open(os.path.join(workdir, out))]
+    printed = {m.group(1): float(m.group(2)) for m in map(ROW.match, re.sub(r"\x1b\[[0-9;]*m", "", r.stdout).splitlines()) if m}
+    return lines, printed, r
+
+
+def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
+    """One line per problem then a summary; every field present; the metrics equal the arithmetic over the lines."""
+    assert len(lines) == limit + 1 and "summary" in lines[-1] and not any("summary" in x for x in lines[:-1])
+    rows, s = lines[:-1], lines[-1]["summary"]
+    fields = {"index", "id", "prompt", "gold", "gold_answer", "completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"}
+    for i, row in enumerate(rows):
+        assert set(row) == fields and row["index"] == i
+        assert all(len(row[k]) == n for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))
+        for text, ext, ok, bad, tok, fin in zip(*(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))):
+            assert 0 <= tok <= max_tokens and (fin != "length" or tok == max_tokens)
+            assert ext == E.extract_answer(text, strict)
+            assert tuple(E.grade(text, row["gold"], task, strict)) == (float(ok), ok, bad)  # graded as the script graded
+            assert not (ok and bad)
+    # recompute every metric from the lines
+    flat = lambda key: [x for row in rows for x in row[key]]  # noqa: E731
+    want = {"accuracy": sum(row["correct"][0] for row in rows) / limit,
+            "correct_rate": sum(flat("correct")) / (limit * n),
+            "parse_err_rate": sum(flat("parse_error")) / (limit * n),
+            "avg_completion_length": sum(flat("tokens")) / (limit * n),
+            "total_completion_tokens": sum(flat("tokens"))}
+    ks = [k for k in (1, 2, 4, 8, 16) if k <= n]
+    for k in ks:  # the closed form with exact binomials, not the script's product
+        want[f"pass@{k}"] = sum(1 - math.comb(n - sum(r["correct"]), k) / math.comb(n, k) for r in rows) / limit
+    assert set(printed) == set(want), printed
+    for key, v in want.items():
+        assert s[key] == pytest.approx(v, abs=1e-12), key
+        assert printed[key] == pytest.approx(v, abs=1e-4), key
+    assert "pass@1" in s and f"pass@{2 * ks[-1]}" not in s
+    assert s["num_problems"] == limit and s["n"] == n and s["task"] == task and s["strict_format"] == strict
+    assert "{question}" in s["template"] and all(r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit)))
+    return rows, s
+
+
+def questions(task, limit):
+    if task == "math500":
+        return [r["problem"] for r in MATH500[:limit]]
+    return [json.loads(x)["question"] for x in open(os.path.join(FIXTURES, "gsm8k", "test.jsonl"))][:limit]
+
+
+def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
+    port = server.rsplit(":", 1)[1]
+    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"),
+                                 "--vllm-port", port, "--limit", "4", "--max-tokens", "16", out="gsm8k_eval.jsonl")
+    rows, s = check_output(lines, printed, n=1, limit=4, max_tokens=16, task="gsm8k")
+    assert s["model"] == s["served_model"] == tiny_model and s["temperature"] == 0.0 and s["system_prompt"] == ""
+    assert rows[0]["gold"].endswith("#### 777") and rows[0]["gold_answer"] == "777"
+    assert s["accuracy"] == s["correct_rate"] == s["pass@1"]  # one sample: the same number three ways
+    # the same prompt, tokenized here and sent alone, gives the same greedy completion and token count
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for row in rows[:2]:
+        ids = tok.encode(row["prompt"], add_special_tokens=False)
+        res = requests.post(server + "/generate", json={"prompts": [ids], "n": 1, "temperature": 0.0, "max_tokens": 16}).json()
+        c = res["results"][0]["completions"][0]
+        assert c["text"] == row["completions"][0] and len(c["token_ids"]) == row["tokens"][0]
+
+
+def test_end_to_end_math500_strict_with_system_prompt(server, tiny_model, tmp_path):
+    port = server.rsplit(":", 1)[1]
+    system = "Think in <think></think>, then put the final answer in \\boxed{}."
+    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--task", "math500", "--dataset", os.path.join(FIXTURES, "math500"),
+                                 "--vllm-port", port, "--limit", "4", "--max-tokens", "16", "--system-prompt", system,
+                                 "--strict-format", "--out", "m.jsonl", out="m.jsonl")
+    rows, s = check_output(lines, printed, n=1, limit=4, max_tokens=16, task="math500", strict=True)
+    assert s["system_prompt"] == system and system in s["template"] and s["dataset"].endswith("math500")
+    assert [r["gold"] for r in rows] == [r["answer"] for r in MATH500[:4]]  # MATH-500's answer field is the gold
+    assert [r["id"] for r in rows] == [r["unique_id"] for r in MATH500[:4]]
+
+
+def test_end_to_end_pass_at_k_sampled(server, tiny_model, tmp_path):
+    port = server.rsplit(":", 1)[1]
+    args = ["--model", tiny_model, "--task", "math500", "--dataset", os.path.join(FIXTURES, "math500"), "--vllm-port", port,
+            "--limit", "4", "--max-tokens", "16", "--n", "4", "--temperature", "1.0", "--seed", "3"]
+    lines, printed, _ = run_eval(tmp_path / "a", *args, out="math500_eval.jsonl")
+    rows, s = check_output(lines, printed, n=4, limit=4, max_tokens=16, task="math500")
+    assert s["temperature"] == 1.0 and {"pass@1", "pass@2", "pass@4"} <= set(s)
+    assert s["pass@1"] == pytest.approx(s["correct_rate"])  # pass@1 over n samples is the mean correctness
+    assert any(len(set(r["completions"])) > 1 for r in rows)  # the samples of a problem differ
+    # the same seed gives the same samples
+    again, _, _ = run_eval(tmp_path / "b", *args, out="math500_eval.jsonl")
+    assert [r["completions"] for r in again[:-1]] == [r["completions"] for r in rows]
+
+
+def test_end_to_end_start_server(tiny_model, tmp_path):
+    """--start-server launches vllm_sync_server.py itself, evaluates, and stops it at exit."""
+    port = free_port()
+    server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
+    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"), "--start-server",
+                                 f"--server-args={server_args}", "--vllm-port", str(port), "--limit", "2", "--max-tokens", "8",
+                                 out="gsm8k_eval.jsonl")
+    check_output(lines, printed, n=1, limit=2, max_tokens=8, task="gsm8k")
+    assert os.path.exists(tmp_path / "vllm_server.log")  # the server's output goes there
+    deadline = time.time() + 60  # the server got SIGTERM at exit: it stops answering
+    while time.time() < deadline:
+        try:
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            time.sleep(1)
+        except requests.RequestException:
+            break
+    else:
+        pytest.fail(f"the server on port {port} still answers after eval.py exited")
