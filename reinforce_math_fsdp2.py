@@ -1,0 +1,695 @@
+# docs and experiment results: README.md#reinforce_math_fsdp2py
+"""Grouped-advantage REINFORCE on MATH with FSDP2 under torchrun, in one file.
+
+Based on grpo_gsm8k.py; what changes and why:
+  - the trainer is sharded with FSDP2 (`fully_shard` per decoder layer, then the root) over the GPUs of
+    torchrun, with bf16 parameters and fp32 gradient reductions, activation checkpointing, and gradient sync
+    only on the last micro-batch. Each rank generates and grades its own share of the prompts;
+  - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL):
+    loss = -sum_i A_i sum_t log pi(o_it) / (number of completion tokens of the whole step). It is GRPO with one
+    iteration, where the ratio is exactly 1 and the clip never fires;
+  - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
+  - publishing weights: every rank takes part in gathering each full parameter (FSDP's all-gather on the
+    torchrun group); rank 0 alone owns the communicator to vllm_sync_server.py and broadcasts, streaming
+    1 MiB buckets so it never holds a second full copy of the model.
+
+  # GPU 0 serves, GPUs 1-3 train
+  CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
+      --gpu-memory-utilization 0.8 --max-num-seqs 32
+  CUDA_VISIBLE_DEVICES=1,2,3 torchrun --nproc_per_node=3 reinforce_math_fsdp2.py --model Qwen/Qwen2.5-7B-Instruct \\
+      --limit 2048 --train-steps 50 --group-size 8 --concurrency 11 --rollouts-per-update 8 \\
+      --eval-before-start --eval-every 10 --eval-limit 100 --eval-concurrency 32 --max-seq-len 1024 \\
+      --max-completion-tokens 512 --micro-token-budget 16384 --logger print --rank0-only-output
+"""
+
+import datetime
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Literal, NamedTuple, Optional
+
+import requests
+
+# Nothing heavy at import time: torchrun's --help must be instant, and grading workers re-import this file.
+
+
+@dataclass
+class Args:
+    model: str = "Qwen/Qwen2.5-7B-Instruct"
+    """Hugging Face model id or local directory"""
+    seed: int = 1
+    """seed of the data order, sampling and torch"""
+    dataset: str = "qwedsacf/competition_math"
+    """training set (train split; `problem`, `solution`), or a local directory with train.jsonl in its schema"""
+    eval_dataset: str = "HuggingFaceH4/MATH-500"
+    """evaluation set (test split; `problem`, `solution`), or a local directory with test.jsonl"""
+    limit: Optional[int] = None
+    """use only the first `limit` training problems"""
+    system_prompt: str = ("Think step by step inside <think>...</think>, then give the final answer after "
+                          "</think> as \\boxed{...}.")
+    """system prompt of every conversation ("" for none)"""
+    vllm_host: str = "127.0.0.1"
+    """host of vllm_sync_server.py"""
+    vllm_port: int = 8000
+    """port of vllm_sync_server.py"""
+    train_steps: int = 50
+    """number of policy updates"""
+    rollouts_per_update: int = 8
+    """prompts per step on each rank (each gets --group-size completions)"""
+    group_size: int = 8
+    """completions per prompt; advantages are relative to the group"""
+    concurrency: int = 11
+    """generation requests in flight per rank"""
+    train_temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    scale_rewards: bool = True
+    """divide advantages by the group's std"""
+    strict_format: bool = True
+    """reward only `<think>...</think>` followed by the final \\boxed{} (off: the last box anywhere counts)"""
+    micro_token_budget: int = 16384
+    """maximum padded tokens in one forward/backward micro-batch"""
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """FSDP2 compute dtype of the parameters (gradients are reduced in fp32 either way)"""
+    activation_checkpointing: bool = True
+    """recompute each decoder layer in backward instead of storing its activations"""
+    verify_sync: bool = False
+    """after each push, compare the server's weight checksums with the gathered weights"""
+    eval_before_start: bool = False
+    """evaluate before the first step"""
+    eval_every: int = 10
+    """evaluate every this many steps (0: never)"""
+    eval_limit: int = 100
+    """number of evaluation problems (split over the ranks)"""
+    eval_concurrency: int = 32
+    """evaluation requests in flight per rank"""
+    eval_temperature: float = 0.0
+    """sampling temperature of evaluation (0: greedy)"""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """level of the `logging` messages (warnings, checkpoints, resume)"""
+    logger: str = "print"
+    """comma-separated: print, rich, wandb (rank 0 logs; W&B reads WANDB_* variables)"""
+    rank0_only_output: bool = False
+    """silence stdout of every rank but 0"""
+    rollout_log: str = "fsdp2_math_rollouts.rank{RANK}.jsonl"
+    """JSONL file per rank receiving its training rollouts ({RANK} is replaced)"""
+    checkpoint_dir: str = "checkpoints_math_fsdp2"
+    """where checkpoints go: step_N/ (Hugging Face format, by rank 0) + step_N/trainer/ (sharded state)"""
+    save_every: int = 10
+    """save a checkpoint every this many steps (and at the end)"""
+    resume: bool = False
+    """continue from the newest checkpoint in --checkpoint-dir"""
+    grade_timeout_s: float = 5.0
+    """wall-clock limit for grading one completion"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grading: the last \boxed{} of the completion, normalised as a careful human grader would, then
+# math-verify. Runs in worker processes with a wall-clock limit per sample, so it never hangs the loop.
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
+    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
+    if not boxes:
+        return None
+    i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
+    if not text.startswith("{", i):
+        m = re.match(r"[^\s$]+", text[i:])
+        return m.group(0) if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip() or None
+    return None  # truncated or unbalanced
+
+
+NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
+    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+]
+
+
+def normalize_answer(s: str) -> str:
+    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    for pattern, repl in SUBS:
+        s = re.sub(pattern, repl, s.strip())
+    for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
+        s = s.strip().rstrip(".").strip()
+        s = re.sub(r"^\\text\{\s*(" + NUM + r"[^{}]*)\}$", r"\1", s)  # \text{7 apples} -> 7 apples
+        s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
+        m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
+        s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
+        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
+        if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
+            s = m.group(1)
+    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+        s = re.sub(r"[, ]", "", s)
+    s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
+    return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
+
+
+def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
+    """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare
+    answer (MATH-500's `answer`). Strict format: `<think>...</think>`, then the final \\boxed{} after
+    `</think>`; a box only inside the thinking, a missing `</think>`, or no box is a parse error. Call it in
+    a main thread (math-verify's timeouts use signals) or through grade_batch."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    if strict_format:
+        m = re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)
+        if m is None:
+            return Grade(0.0, False, True)
+        completion = m.group(1)  # only what follows the thinking can hold the answer
+    box = last_boxed(completion)
+    if box is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = last_boxed(gold) or gold.strip()
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    try:  # never str() a parsed object: printing a deep expression can hang
+        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
+        if not pred:
+            return Grade(0.0, False, True)
+        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
+        ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
+    except Exception:
+        return Grade(0.0, False, True)
+    return Grade(float(ok), bool(ok), False)
+
+
+def grade_worker(conn) -> None:
+    conn.send(None)  # ready: imports done, the deadline of its first sample may start
+    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
+        try:
+            conn.send(tuple(grade(*conn.recv())))  # (completion, gold, strict_format)
+        except EOFError:  # the trainer is gone
+            return
+
+
+GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
+
+
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, strict_format: bool = True) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
+    sample scores 0 with parse_error. The rest of the batch is unaffected."""
+    ctx = mp.get_context("spawn")
+
+    def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
+        if old is not None:
+            old[0].kill(), old[0].join(1), old[1].close()
+        a, b = ctx.Pipe()
+        (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
+        return [p, a, False]
+
+    while len(GRADERS) < workers:
+        GRADERS.append(start())
+    results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
+    while todo or busy:
+        for w, (proc, conn, ready) in enumerate(GRADERS):
+            if ready and w not in busy and todo:
+                i = todo.pop()
+                conn.send((completions[i], golds[i], strict_format))
+                busy[w] = (i, time.monotonic() + timeout_s)  # the clock starts when the sample is handed out
+        pending = {GRADERS[w][1]: w for w in range(workers) if w in busy or not GRADERS[w][2]}
+        deadline = min((d for _, d in busy.values()), default=time.monotonic() + 60)
+        for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            w = pending[conn]
+            try:
+                msg = conn.recv()
+            except EOFError:  # the worker died: its sample keeps the default verdict
+                busy.pop(w, None)
+                GRADERS[w] = start(GRADERS[w])
+                continue
+            if w in busy:
+                results[busy.pop(w)[0]] = Grade(*msg)
+            else:
+                GRADERS[w][2] = True
+        for w, (i, d) in list(busy.items()):
+            if time.monotonic() >= d:
+                del busy[w]
+                GRADERS[w] = start(GRADERS[w])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: advantages and the loss
+def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
+    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
+    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
+    return adv.view(-1)  # [B]
+
+
+def reinforce_loss(logprobs, advantages, mask):
+    """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
+    logprobs, mask [B, T] (completion tokens), advantages [B].
+
+    Relation to GRPO (grpo_gsm8k.policy_loss): GRPO's token term is -min(r A, clip(r) A) with
+    r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per batch), r = 1 in
+    value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no KL.
+    Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
+    per_token = -advantages.unsqueeze(1) * logprobs  # [B, T]
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
+    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into
+    [B, T-1]), without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and
+    is recomputed in backward (checkpoint), so at most one [chunk, V] block of logits is alive."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
+    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
+    def block(h_c, t_c):
+        logits = model.lm_head(h_c).float()  # [chunk, V]
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+                      for i in range(0, h.shape[0], chunk)])  # [N]
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
+    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
+    batches, cur = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            batches, cur = batches + [cur], []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
+def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
+    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    import torch
+
+    L = max(len(seqs[i]) for i in idx)
+    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
+    Tc = max(1, max(n_comp))
+    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+                      dtype=torch.long, device=device)  # [N]
+    return ids, attn, mask, at
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
+def shard_model(model, param_dtype: str, world_size: int):
+    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, lm_head). Each layer's
+    parameters are all-gathered just before it runs and freed after, so one layer is whole at a time.
+    MixedPrecisionPolicy: compute in `param_dtype`, reduce-scatter gradients in fp32 (sums of bf16
+    gradients over ranks lose precision). The fp32 master weights and AdamW state stay sharded."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if world_size > 1:
+        mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+    # training calls token_logprobs, not forward: let FSDP run its pre/post-forward hooks (all-gather the
+    # root's parameters, set up the backward reduce-scatter) around it too. A no-op without FSDP.
+    model.token_logprobs = token_logprobs.__get__(model)
+    register_fsdp_forward_method(model, "token_logprobs")
+    return model
+
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+    for attempt in range(retries):
+        try:
+            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
+            return r
+        except requests.ConnectionError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+            time.sleep(2**attempt)
+
+
+def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
+    bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
+    buckets, size, items = [], 0, []
+    for p in params:
+        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
+        offset = (size + 255) // 256 * 256
+        if items and offset + nbytes > bucket_bytes:
+            buckets.append((size, items))
+            size, items, offset = 0, [], 0
+        items.append((offset, nbytes))
+        size = offset + nbytes
+    return buckets + [(size, items)] if items else buckets
+
+
+def init_weight_sync(url: str, device) -> dict:
+    """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
+    group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
+    import torch.distributed as dist
+
+    info = requests.get(url + "/health", timeout=30).json()
+    with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
+        port = s.bind(("", 0)) or s.getsockname()[1]
+    host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
+    timeout = datetime.timedelta(seconds=300)
+    world_size = 2  # this trainer + one server worker (tensor_parallel_size 1)
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    lines = (json.loads(x) for x in post(url, "/init_communicator", {"host": host, "port": port,
+                                                                      "world_size": world_size}, stream=True).iter_lines() if x)
+    next(lines)  # "joining": the server's workers are connecting to our store now
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+    done = next(lines)
+    if done["status"] != "ok":
+        raise RuntimeError(f"{url}/init_communicator failed: {done}")
+    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
+
+
+def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 1 << 20) -> Optional[dict]:
+    """Called on every rank. Each parameter is gathered whole by all ranks in turn (DTensor.full_tensor:
+    an all-gather on the torchrun group, which every rank must join); rank 0, the only one with a
+    communicator (sync), packs it into a 1 MiB bucket and broadcasts full buckets to the server while the
+    next parameters are gathered. At most one gathered parameter and two buckets exist at a time."""
+    import torch
+
+    named = list(model.named_parameters())
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 (DTensor under FSDP)
+    if sync is None:  # ranks > 0: take part in the gathers, in the same order, and nothing else
+        for _, p in named:
+            full(p.detach())
+        return None
+    dtype = getattr(torch, sync["dtype"])
+    params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
+    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version, "bucket_bytes": bucket_bytes}, stream=True)
+    lines = (json.loads(x) for x in r.iter_lines() if x)
+    next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
+    opts, i, inflight = torch.distributed.BroadcastOptions(), 0, []
+    opts.rootRank = 0
+    for nbytes, items in plan_buckets(params, bucket_bytes):
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=sync["device"])
+        for offset, size in items:
+            buf[offset : offset + size].copy_(full(named[i][1].detach()).to(dtype).contiguous().view(-1).view(torch.uint8))
+            i += 1
+        inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
+        if len(inflight) > 2:
+            inflight.pop(0)[1].wait()
+    for _, work in inflight:
+        work.wait()
+    done = next(lines)
+    if done["status"] != "ok":
+        raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
+    return done
+
+
+def full_state_dict(model) -> dict:
+    """Every rank must call it (it gathers); rank 0 gets plain tensors on CPU under Hugging Face names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]):
+    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt.
+    A prompt's seed follows its place in the global batch, not the rank that asks: runs on any number of
+    ranks sample the same completions."""
+
+    def one(i):
+        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
+        return post(url, "/generate", body).json()["results"][0]
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def load_rows(dataset: str, split: str) -> list[dict]:
+    """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    import datasets
+
+    if os.path.isdir(dataset):
+        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+    return list(datasets.load_dataset(dataset, split=split))
+
+
+if __name__ == "__main__":
+    import contextlib
+
+    import tyro
+
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        args = tyro.cli(Args)  # before importing torch: --help is instant
+    else:  # under torchrun only rank 0 prints --help or a flag error; the others exit quietly, and on an
+        # error a moment later, so that torchrun does not kill rank 0 before it has printed
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+            try:
+                args = tyro.cli(Args)
+            except SystemExit as e:
+                time.sleep(5 if e.code else 0)
+                raise
+        if args.rank0_only_output:
+            sys.stdout = open(os.devnull, "w")
+
+    import logging
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
+    log = logging.getLogger("reinforce_math_fsdp2")
+
+    def all_sum(*xs: float, op=None) -> list[float]:
+        t = torch.tensor(xs, dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t.tolist()
+
+    random.seed(args.seed + rank), np.random.seed(args.seed + rank), torch.manual_seed(args.seed)
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    loggers = set(args.logger.split(",")) if rank == 0 else set()
+    if "wandb" in loggers:
+        import dataclasses
+
+        import wandb
+
+        wandb.init(config=dataclasses.asdict(args), resume="allow")
+
+    def report(metrics: dict, step: int) -> None:
+        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+        if "print" in loggers:
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
+        if "rich" in loggers:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table("metric", "value", title=f"step {step}")
+            [table.add_row(k, v) for k, v in text.items()]
+            Console().print(table)
+        if "wandb" in loggers:
+            wandb.log(metrics, step=step)
+
+    # data: the same permutation on every rank; each step takes the next rollouts_per_update x world_size
+    # prompts and rank r keeps every world_size-th from r (no duplicates across ranks)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    def prompt_ids(problem: str) -> list[int]:
+        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    train, test = load_rows(args.dataset, "train")[: args.limit], load_rows(args.eval_dataset, "test")[: args.eval_limit]
+    order = np.random.default_rng(args.seed).permutation(len(train))
+
+    # model: fp32 master weights, sharded; AdamW on the shards
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model = shard_model(model, args.param_dtype, world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    step, version, data_pos = 0, 0, 0
+    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    if args.resume and ckpts:  # the sharded model and optimizer state: each rank reads its own shards
+        path = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}")
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), weights_only=False)
+        step, version, data_pos = state["step"], state["version"], state["data_pos"]
+        torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
+        log.info("resumed from %s at step %d", path, step)
+
+    # only rank 0 talks to the server: its own communicator, outside the torchrun group
+    sync = init_weight_sync(url, device) if rank == 0 else None
+    push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
+
+    def check_sync() -> None:  # all ranks gather the full state dict; rank 0 compares it with the server's
+        sd = full_state_dict(model)
+        if rank == 0:
+            theirs = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"]
+            dtype = getattr(torch, sync["dtype"])
+            bad = [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]
+            if bad:
+                raise RuntimeError(f"weights differ after the push: {bad[:5]}")
+
+    def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
+        rows = test[rank::world_size]
+        results = generate(url, [prompt_ids(r["problem"]) for r in rows], 1, args.eval_temperature, args.max_completion_tokens,
+                           args.eval_concurrency, [args.seed + rank + world_size * i for i in range(len(rows))])
+        grades = grade_batch([res["completions"][0]["text"] for res in results], [r["solution"] for r in rows], args.grade_timeout_s,
+                             strict_format=args.strict_format)
+        n, correct, parse_err, length = all_sum(len(rows), sum(g.correct for g in grades), sum(g.parse_error for g in grades),
+                                                sum(len(res["completions"][0]["token_ids"]) for res in results))
+        return {"eval/accuracy": correct / max(n, 1), "eval/parse_err_rate": parse_err / max(n, 1), "eval/avg_completion_length": length / max(n, 1)}
+
+    if args.eval_before_start and step == 0:
+        report(evaluate(), step)
+    rollout_log = open(args.rollout_log.replace("{RANK}", str(rank)), "a")
+    total_tokens, start_time = 0, time.time()
+    while step < args.train_steps:
+        t0 = time.time()
+        # 1) generate this rank's share of the step's prompts, group_size completions each
+        global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
+        rows = [train[order[(data_pos + k) % len(train)]] for k in global_idx]
+        data_pos += args.rollouts_per_update * world_size
+        results = generate(url, [prompt_ids(r["problem"]) for r in rows], args.group_size, args.train_temperature,
+                           args.max_completion_tokens, args.concurrency, [args.seed * 1_000_003 + data_pos + k for k in global_idx])
+        comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
+
+        # 2) grade (strict format)
+        grades = grade_batch([c["text"] for _, _, c in comps], [row["solution"] for row, _, _ in comps], args.grade_timeout_s,
+                             strict_format=args.strict_format)
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
+
+        # 3) advantages, relative to each prompt's group (groups never straddle ranks)
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+
+        # 4) loss and update. Every rank must run the same number of forward/backward passes (each one
+        # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
+        seqs = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps]
+        n_prompt = [len(p) for _, p, _ in comps]
+        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
+        micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
+        n_micro, T_global = all_sum(len(micro), op=dist.ReduceOp.MAX if world_size > 1 else None)[0], all_sum(sum(n_comp))[0]
+        loss_sum, mismatch_sum = 0.0, 0.0
+        optimizer.zero_grad(set_to_none=True)
+        for m in range(int(n_micro)):
+            idx = micro[m] if m < len(micro) else micro[0]  # an empty turn reuses a micro-batch with weight 0
+            if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter gradients once, after the last
+                model.set_requires_gradient_sync(m == n_micro - 1)
+            ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
+            logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), model.token_logprobs(ids, attn, at).float())  # [b, Tc]
+            # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens
+            # on all ranks, and times world_size because FSDP averages gradients over ranks, the sum over
+            # micro-batches and ranks is the token mean of the whole step: the single-process update.
+            weight = (sum(n_comp[i] for i in idx) / max(T_global, 1)) * world_size if m < len(micro) else 0.0
+            loss = reinforce_loss(logprobs, advantages[idx].to(device), mask) * weight
+            loss.backward()
+            if m < len(micro):
+                loss_sum += loss.item() / world_size
+                vllm_lp = torch.tensor([comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx], device=device)
+                mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+        if math.isfinite(grad_norm):  # every rank sees the same (global) norm, so all skip or none does
+            optimizer.step()
+        else:
+            log.warning("non-finite gradient at step %d: step skipped", step)
+        step += 1
+
+        # 5) push weights to vLLM: all ranks gather, rank 0 broadcasts
+        t_sync = time.time()
+        version += 1
+        push_weights(sync, model, version)
+        if args.verify_sync:
+            check_sync()
+        sync_s = time.time() - t_sync
+
+        # 6) log, evaluate, checkpoint
+        new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
+        n, r_sum, correct, parse_err, tokens, loss_all, mismatch = all_sum(
+            len(comps), rewards.sum().item(), sum(g.correct for g in grades), sum(g.parse_error for g in grades), new_tokens, loss_sum, mismatch_sum)
+        total_tokens += tokens
+        metrics = {"loss": loss_all, "grad_norm": grad_norm, "reward": r_sum / n, "correct_rate": correct / n, "parse_err_rate": parse_err / n,
+                   "avg_completion_length": tokens / n, "completion_tokens": int(tokens), "total_completion_tokens": int(total_tokens),
+                   "logprob_mismatch": mismatch / max(T_global, 1), "version": version, "sync_s": sync_s,
+                   "step_s": time.time() - t0, "tokens_per_s": tokens / (time.time() - t0)}
+        for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
+            rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], "reward": g.reward,
+                                          "correct": g.correct, "parse_error": g.parse_error, "advantage": a, "versions": c["versions"]}) + "\n")
+        rollout_log.flush()
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate())
+        report(metrics, step)
+        if step % args.save_every == 0 or step == args.train_steps:
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
+            if rank == 0:
+                os.makedirs(path, exist_ok=True)
+                if model.config.tie_word_embeddings:
+                    sd.pop("lm_head.weight", None)
+                save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+                model.config.save_pretrained(path)
+                tokenizer.save_pretrained(path)
+            del sd
+            msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
+            torch.save({"step": step, "version": version, "data_pos": data_pos, "torch_rng": torch.get_rng_state(),
+                        "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer", f"rank{rank}.pt"))
+            log.info("saved %s", path)
+    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
+    if world_size > 1:
+        dist.barrier()  # a rare abort at exit was seen without it
+        dist.destroy_process_group()

@@ -1,0 +1,147 @@
+"""reinforce_math_fsdp2.py: strict-format grading, the loss against naive references, and the real
+script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real vllm_sync_server."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from conftest import PY, ROOT, sha256, start_server, stop_server
+
+sys.path.insert(0, ROOT)
+import reinforce_math_fsdp2 as R  # noqa: E402
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+
+def test_strict_format_grading():
+    sol = r"We get $\frac{3}{6} + \frac{2}{6} = \boxed{\frac{5}{6}}$."
+    cases = [
+        (r"<think>3/6 + 2/6</think> The answer is $\boxed{\frac{5}{6}}$.", (1.0, True, False)),  # well-formed
+        (r"<think>add them</think>\boxed{\frac{5}{6}}", (1.0, True, False)),  # a bare box after </think>
+        (r"<think>so \boxed{\frac{5}{6}}</think> done.", (0.0, False, True)),  # box only inside the thinking
+        (r"<think>so it is \boxed{\frac{5}{6}}", (0.0, False, True)),  # missing </think>
+        (r"The answer is \boxed{\frac{5}{6}}.", (0.0, False, True)),  # no think at all
+        (r"<think>x</think> \boxed{\dfrac{5}{6}}", (1.0, True, False)),  # nested braces, \dfrac
+        (r"<think>x</think> \boxed{5/6} or rather \boxed{6/5}", (0.0, False, False)),  # two boxes: the last counts
+        (r"<think>x</think> \boxed{6/5} or rather \boxed{5/6}", (1.0, True, False)),
+        (r"<think>x</think> no box here", (0.0, False, True)),
+    ]
+    for text, want in cases:
+        assert tuple(R.grade(text, sol)) == want, text
+    assert R.grade(r"\boxed{\frac{5}{6}}", sol, strict_format=False).correct  # the non-strict mode
+    assert R.grade(r"<think></think>\boxed 6", r"so the answer is $\boxed 6$.").correct  # `\boxed 6` gold
+    assert R.grade(r"<think></think>\boxed{(-2,2)}", "(-2, 2)").correct  # MATH-500's bare `answer` as gold
+
+
+def test_reinforce_loss_and_advantages_against_naive():
+    g = torch.Generator().manual_seed(0)
+    lp, adv = -torch.rand(3, 5, generator=g) * 2, torch.tensor([0.5, -1.0, 2.0])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    want = -sum(adv[b].item() * lp[b, t].item() for b in range(3) for t in range(5) if mask[b, t]) / mask.sum().item()
+    assert abs(R.reinforce_loss(lp, adv, mask).item() - want) < 1e-6
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    for scale in (True, False):
+        ref = []
+        for k in (0, 4):
+            grp = r[k : k + 4].tolist()
+            mean = sum(grp) / 4
+            std = (sum((x - mean) ** 2 for x in grp) / 3) ** 0.5
+            ref += [(x - mean) / (std + 1e-4) if scale else x - mean for x in grp]
+        assert torch.allclose(R.group_advantages(r, 4, scale), torch.tensor(ref), atol=1e-6)
+
+
+def test_help_under_torchrun_prints_once_and_fast():
+    t0 = time.time()
+    r = subprocess.run([TORCHRUN, "--nproc_per_node=3", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.count("usage:") == 1 and "--rank0-only-output" in r.stdout
+    assert time.time() - t0 < 6  # torchrun itself imports torch (~2 s on this machine); the script does not
+    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"], capture_output=True, text=True)
+    assert not {x.split("|")[-1].strip().split(".")[0] for x in r.stderr.splitlines() if "|" in x} & {"torch", "transformers"}
+    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--no-such-flag"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and (r.stdout + r.stderr).count("--no-such-flag") >= 1
+    assert (r.stdout + r.stderr).count("For full helptext") == 1  # the error is printed once, by rank 0
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A 128-token tiny model in which `\\boxed{7}` is one token, and MATH-schema problems whose answer is
+    always 7: rewards vary from the first step, so gradients (and the checks on them) are not trivial."""
+    from tiny_model import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path_factory.mktemp("toy") / "toy"), vocab_size=128, byte_alphabet=False)
+    proc, url = start_server(model, str(tmp_path_factory.mktemp("fsdp_server") / "server.log"))
+    yield url, model
+    stop_server(proc)
+
+
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4"):
+    data = os.path.join(FIXTURES, "math_toy")
+    cmd = ([TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]) + [
+        os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--model", model, "--dataset", data, "--eval-dataset", data,
+        "--vllm-port", url.rsplit(":", 1)[1], "--max-completion-tokens", "16", "--group-size", "8",
+        "--learning-rate", lr, "--system-prompt", "", "--no-strict-format", "--param-dtype", "float32",
+        "--micro-token-budget", "64", "--eval-every", "0", "--save-every", "1", *extra]
+    os.makedirs(workdir, exist_ok=True)
+    r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    metrics = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+               for line in r.stdout.splitlines() if re.match(r"step \d+: ", line)]
+    return r.stdout + r.stderr, metrics
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_fsdp2_end_to_end(toy, tmp_path):
+    url, model = toy
+    # 2 ranks x 4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last),
+    # activation checkpointing on (the default), every push verified against the server's checksums
+    out, m = run(url, model, tmp_path / "fsdp", "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
+                 "--eval-every", "2", "--eval-limit", "4", "--rank0-only-output")
+    assert [x["version"] for x in m] == ["1", "2"] and "eval/accuracy" in m[1]
+    assert float(m[0]["grad_norm"]) > 0  # rewards varied: a real gradient
+    # alignment under FSDP2: the trainer's fp32 logprobs of the sampled tokens equal vLLM's (mean |diff|)
+    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), [x["logprob_mismatch"] for x in m]
+    assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
+    ck = tmp_path / "fsdp" / "checkpoints_math_fsdp2"
+    assert sorted(os.listdir(ck)) == ["step_1", "step_2"]
+    # rank 0 alone wrote the Hugging Face checkpoint; each rank wrote its shards of the trainer state
+    assert "[rank1] INFO saved" in out and len([x for x in os.listdir(ck / "step_2" / "trainer") if x.endswith(".distcp")]) == 2
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ck / "step_2")
+    for r in (0, 1):
+        rows = [json.loads(x) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+        assert len(rows) == 2 * 4 * 8 and {x["rank"] for x in rows} == {r}
+    # the server holds exactly the gathered weights of the last step
+    w2 = weights(ck / "step_2")
+    w2.setdefault("lm_head.weight", w2["model.embed_tokens.weight"])
+    got = requests.get(url + "/weights_checksum").json()["checksums"]
+    assert all(got[k] == sha256(w2[k]) for k in got)
+
+    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process without FSDP (same prompts, same
+    # seeds, so the same completions; the loss normalised by the global token count)
+    _, m1 = run(url, model, tmp_path / "single", "--train-steps", "1", "--rollouts-per-update", "8", nproc=0)
+    a, b = weights(ck / "step_1"), weights(tmp_path / "single" / "checkpoints_math_fsdp2" / "step_1")
+    base = weights(model)
+    assert abs(float(m1[0]["grad_norm"]) - float(m[0]["grad_norm"])) < 1e-5 * float(m1[0]["grad_norm"])
+    # (a small learning rate: Adam's first step, lr * g / (|g| + eps), amplifies float noise where g ~ 0)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max((a[k] - base[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
+
+    # --resume continues at step 3 from the sharded state, pushing the checkpoint's weights first
+    out, m3 = run(url, model, tmp_path / "fsdp", "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
+    assert "resumed from checkpoints_math_fsdp2/step_2 at step 2" in out and [x["version"] for x in m3] == ["3"]
+    assert set(os.listdir(ck)) == {"step_1", "step_2", "step_3"}
