@@ -203,7 +203,8 @@ def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
 
 
 def grade_worker(conn) -> None:
-    conn.send(None)  # ready: imports done, the deadline of its first sample may start
+    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False)  # warm-up: imports sympy, builds math-verify's parsers
+    conn.send(None)  # ready: the deadline of its first sample may start
     while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
         try:
             conn.send(tuple(grade(*conn.recv())))  # (completion, gold, strict_format)
@@ -242,7 +243,9 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
             try:
                 msg = conn.recv()
             except EOFError:  # the worker died: its sample keeps the default verdict
-                busy.pop(w, None)
+                if w not in busy:
+                    raise RuntimeError("a grading worker died while starting: see its traceback above")
+                del busy[w]
                 GRADERS[w] = start(GRADERS[w])
                 continue
             if w in busy:

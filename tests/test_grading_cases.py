@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo_gsm8k", "eval"]  # every script that carries a copy of the grading block
+MODULES = ["grpo_gsm8k", "eval", "reinforce_math_fsdp2"]  # every script that carries a copy of the grading block
 # Extra arguments of a module's grade(completion, gold, ...): eval.py grades several tasks; its "math500" takes
 # the gold as an already-extracted answer, as the case file writes it (MATH-500's `answer` field).
 GRADE_ARGS = {"eval": ("math500",)}
+# reinforce_math_fsdp2 rewards the strict <think> format by default; the case file is about answers.
+GRADE_KW = {"reinforce_math_fsdp2": {"strict_format": False}}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
 
 if str(ROOT) not in sys.path:
@@ -31,7 +33,11 @@ def _load(name):
 
 
 def _grade(name, completion, gold):
-    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()))
+    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()), **GRADE_KW.get(name, {}))
+
+
+def _batch(name, *args, **kw):
+    return _load(name).grade_batch(*args, **GRADE_KW.get(name, {}), **kw)
 
 
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
@@ -63,8 +69,11 @@ def test_all_copies_agree():
 def test_extraction(module):
     m = _load(module)
     gsm8k = ("gsm8k",) if module == "eval" else ()  # golds in GSM8K's raw form
-    assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200", *gsm8k).correct
-    assert m.grade("\\boxed{-7}", "#### -7", *gsm8k).correct
+    if module != "reinforce_math_fsdp2":  # a MATH trainer: its golds are MATH solutions
+        assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200", *gsm8k).correct
+        assert m.grade("\\boxed{-7}", "#### -7", *gsm8k).correct
+    else:
+        assert _grade(module, "So she pays $\\boxed{1,200}$.", r"She pays $\boxed{1200}$ dollars.").correct
     assert m.last_boxed(r"\boxed{1} then \boxed{2}") == "2"
     assert m.last_boxed(r"\boxed{5 + ") is None and m.last_boxed(r"\boxed{}") is None
     assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"
@@ -102,13 +111,13 @@ def _check(grades, kinds):
 @pytest.mark.parametrize("timeout_s", [1.0, 5.0])  # 1 s: kills stuck workers; 5 s: math-verify's own timeouts fire first
 def test_grade_batch_pathological_mixed(module, timeout_s):
     m = _load(module)
-    m.grade_batch(["\\boxed{1}"], ["1"], timeout_s=30)  # start the pool outside the timed region
+    _batch(module, ["\\boxed{1}"], ["1"], timeout_s=30)  # start the pool outside the timed region
     comps = [PATHOLOGICAL[0], NORMAL[0][0], NORMAL[1][0], PATHOLOGICAL[2], NORMAL[2][0], NORMAL[3][0]]
     golds = ["5", NORMAL[0][1], NORMAL[1][1], "5", NORMAL[2][1], NORMAL[3][1]]
     kinds = [None, True, True, None, True, False]
     pids = {w[0].pid for w in m.GRADERS}
     t = time.monotonic()
-    grades = m.grade_batch(comps, golds, timeout_s=timeout_s, workers=2)
+    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2)
     elapsed = time.monotonic() - t
     print(f"{module}: 2 pathological + 4 normal, timeout {timeout_s}s: {elapsed:.2f}s")
     assert elapsed < timeout_s + 3
@@ -126,7 +135,7 @@ def test_grade_batch_all_pathological_then_normal(module):
     golds = ["5"] * len(PATHOLOGICAL) + [g for _, g, _ in NORMAL]
     kinds = [None] * len(PATHOLOGICAL) + [k for _, _, k in NORMAL]
     t = time.monotonic()
-    grades = m.grade_batch(comps, golds, timeout_s=timeout_s, workers=2)
+    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2)
     elapsed = time.monotonic() - t
     waves = (len(PATHOLOGICAL) + 1) // 2  # stuck samples run two at a time
     print(f"{module}: {len(PATHOLOGICAL)} pathological + {len(NORMAL)} normal: {elapsed:.2f}s")
@@ -135,7 +144,7 @@ def test_grade_batch_all_pathological_then_normal(module):
     assert grades[3] == m.Grade(0.0, False, True)  # garbage without a box
     # the pool recovered: the next batch is graded normally and quickly
     t = time.monotonic()
-    _check(m.grade_batch([c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
+    _check(_batch(module, [c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
     assert time.monotonic() - t < 3
 
 
@@ -146,7 +155,7 @@ def test_grade_batch_from_non_main_thread(module):
 
     def run():
         try:
-            out["grades"] = m.grade_batch([c for c, _, _ in NORMAL] + [PATHOLOGICAL[1]],
+            out["grades"] = _batch(module, [c for c, _, _ in NORMAL] + [PATHOLOGICAL[1]],
                                           [g for _, g, _ in NORMAL] + ["5"], timeout_s=2.0)
         except BaseException as e:  # surfaced below
             out["error"] = e
@@ -162,5 +171,5 @@ def test_grade_batch_from_non_main_thread(module):
 def test_grade_batch_matches_grade(module):
     m = _load(module)
     sample = CASES[::7]
-    grades = m.grade_batch([c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
+    grades = _batch(module, [c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
     assert [(g.correct, g.parse_error) for g in grades] == [(c["correct"], c["parse_error"]) for c in sample]
