@@ -1,84 +1,56 @@
 """vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
 
-Every script in cleanrlvr talks to this one file. It runs vLLM's async engine (V1) in this process and
-serves HTTP routes next to it:
+Every script in cleanrlvr talks to this one file. It runs vLLM's async engine (V1) in this process and serves
+generation (GET /health, /runtime_version, /get_num_background_tasks; POST /generate) and weight sync (POST
+/init_communicator, /update_param_batch, /reset_prefix_cache, /close_communicator; GET /weights_checksum).
 
-  generation   GET /health, GET /runtime_version, GET /get_num_background_tasks, POST /generate
-  weight sync  POST /init_communicator, POST /update_param_batch, POST /reset_prefix_cache,
-               POST /close_communicator, GET /weights_checksum
-
-Weight sync protocol (the trainer is rank 0 of a collective group it owns; this server's workers are
-ranks rank_offset .. rank_offset + tensor_parallel_size - 1):
-  1. POST /init_communicator {host, port, world_size, rank_offset=1}: the answer streams two JSON lines.
-     After the first ({"status": "joining"}) the trainer builds its end of the group (TCPStore master +
-     ProcessGroupGloo/NCCL at host:port); the second line says whether everyone joined.
-  2. POST /update_param_batch {params: [{name, dtype, shape}, ...], version?, bucket_bytes}: the metadata
-     is checked against the checkpoint's own names and shapes and the engine's dtype BEFORE any collective
-     starts (a mismatch is a 400 naming the parameter). Then the first line {"status": "receiving"} says
-     "broadcast now": the trainer broadcasts the tensors in that order, packed into buckets of at most
-     `bucket_bytes` (0 = one broadcast per tensor; see plan_buckets, copied by every client). The second
-     line reports the new version once the weights are loaded and the prefix cache is reset.
-  Requests in flight are paused (vLLM's pause mode "keep") and resumed, never dropped; every output token
-  carries the version of the weights that sampled it. A group whose peer dies or stalls raises after
-  --sync-timeout-s: the server drops the communicator, keeps generating, and accepts a new one.
+Weight sync protocol (the trainer is rank 0 of a collective group it owns; this server's workers are ranks
+rank_offset .. rank_offset + tensor_parallel_size - 1). Both POSTs that use the group answer in two JSON lines:
+  1. /init_communicator {host, port, world_size, rank_offset=1}: after the first line ({"status": "joining"}) the
+     trainer builds its end (TCPStore master + ProcessGroupGloo/NCCL at host:port); the second says if all joined.
+  2. /update_param_batch {params: [{name, dtype, shape}, ...], version?, bucket_bytes}: the metadata is checked
+     against the checkpoint's names and shapes and the engine's dtype BEFORE any collective starts (a mismatch is a
+     400 naming the parameter). Then the first line {"status": "receiving"} says "broadcast now": the trainer
+     broadcasts the tensors in that order, in buckets of at most `bucket_bytes` (0 = one per tensor; plan_buckets,
+     copied by every client). The second line reports the new version once the weights are loaded and the cache reset.
+Requests in flight are paused (vLLM's pause mode "keep") and resumed, never dropped; every output token carries the
+version of the weights that sampled it. A group whose peer dies or stalls raises after --sync-timeout-s: the server
+drops the communicator, keeps generating, and accepts a new one.
 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct           # GPU, port 8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
 """
 
-import os
-import sys
+import asyncio, datetime, glob, hashlib, hmac, json, math, os, sys, time, uuid  # torch, vLLM, the web stack: see main
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 
 @dataclass
 class Args:
-    model: str
-    """Hugging Face model id or local directory (a safetensors checkpoint)"""
-    host: str = "127.0.0.1"
-    """address to bind; anything but loopback should come with --api-key"""
-    port: int = 8000
-    """HTTP port"""
-    dtype: str = "auto"
-    """engine dtype (auto, bfloat16, float16, float32); trainers must send weights in this dtype"""
-    gpu_memory_utilization: float = 0.9
-    """fraction of GPU memory vLLM may use (ignored on CPU)"""
-    max_model_len: Optional[int] = None
-    """maximum prompt + completion length (default: the model's)"""
-    max_num_seqs: int = 256
-    """maximum number of sequences the engine batches at once"""
-    tensor_parallel_size: int = 1
-    """number of GPUs the model is split over"""
-    enforce_eager: bool = False
-    """disable CUDA graphs / torch.compile (faster start, slower decoding)"""
-    seed: int = 0
-    """engine seed"""
-    api_key: Optional[str] = None
-    """if set, control routes require the header `Authorization: Bearer <key>`"""
-    sync_timeout_s: float = 120.0
-    """timeout of every collective; a trainer silent for longer is dropped"""
-    kv_cache_memory_bytes: Optional[int] = None
-    """KV cache size in bytes (handy on CPU); default: vLLM's choice"""
-    enable_prefix_caching: bool = True
-    """reuse the KV cache of shared prompt prefixes (reset after every weight update)"""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """uvicorn log level"""
-
-
-DTYPES = ("float32", "bfloat16", "float16")  # the only dtypes accepted on the wire
+    model: str  # Hugging Face model id or local directory (a safetensors checkpoint)
+    host: str = "127.0.0.1"  # address to bind; anything but loopback should come with --api-key
+    port: int = 8000  # HTTP port
+    dtype: str = "auto"  # engine dtype (auto, bfloat16, float16, float32); trainers must send weights in this dtype
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory vLLM may use (ignored on CPU)
+    max_model_len: Optional[int] = None  # maximum prompt + completion length (default: the model's)
+    max_num_seqs: int = 256  # maximum number of sequences the engine batches at once
+    tensor_parallel_size: int = 1  # number of GPUs the model is split over
+    enforce_eager: bool = False  # disable CUDA graphs / torch.compile (faster start, slower decoding)
+    seed: int = 0  # engine seed
+    api_key: Optional[str] = None  # if set, control routes require the header `Authorization: Bearer <key>`
+    sync_timeout_s: float = 120.0  # timeout of every collective; a trainer silent for longer is dropped
+    kv_cache_memory_bytes: Optional[int] = None  # KV cache size in bytes (handy on CPU); default: vLLM's choice
+    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (reset after every weight update)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # uvicorn log level
 
 
 def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Split tensors, in order, into broadcast buckets: [(bucket_nbytes, [(offset, nbytes), ...]), ...].
-
-    Sender and receiver both call this on the same metadata, so the layout never travels. A bucket holds
-    consecutive tensors up to `bucket_bytes` (a larger tensor travels alone); offsets are 256-byte aligned
-    so every tensor can be viewed in place. bucket_bytes=0 gives one broadcast per tensor."""
-    import math
-
-    buckets: list[tuple[int, list[tuple[int, int]]]] = []
-    size, items = 0, []
+    """Split tensors, in order, into broadcast buckets [(bucket_nbytes, [(offset, nbytes), ...]), ...]. Sender and
+    receiver both compute it, so the layout never travels. A bucket holds consecutive tensors up to `bucket_bytes` (a
+    larger one travels alone; 0: one broadcast per tensor); offsets are 256-byte aligned to view tensors in place."""
+    buckets, size, items = [], 0, []
     for p in params:
         nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
         offset = (size + 255) // 256 * 256
@@ -87,43 +59,33 @@ def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[
             size, items, offset = 0, [], 0
         items.append((offset, nbytes))
         size = offset + nbytes
-    if items:
-        buckets.append((size, items))
-    return buckets
+    return buckets + [(size, items)] if items else buckets
 
 
 class WeightSyncWorker:
-    """Mixed into every vLLM worker (worker_extension_cls). Method names start with `sync_` so they
-    never collide with the Worker's own. Called with engine.collective_rpc between engine steps."""
+    """Mixed into every vLLM worker (worker_extension_cls). Method names start with `sync_` so they never collide
+    with the Worker's own. Called with engine.collective_rpc between engine steps."""
 
     def sync_init_communicator(self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float):
-        import datetime
-
         import torch.distributed as dist
-
         self.sync_close_communicator()
-        rank = rank_offset + self.rank
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # A group of its own, outside init_process_group: it cannot disturb vLLM's groups, and the trainer
-        # builds its end the same way beside its torchrun group. The trainer hosts the store (rank 0).
+        rank, timeout = rank_offset + self.rank, datetime.timedelta(seconds=timeout_s)
+        # A group of its own, outside init_process_group: it cannot disturb vLLM's groups, and the trainer builds
+        # its end the same way beside its torchrun group. The trainer hosts the store (rank 0).
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            self._sync_pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            self._sync_pg, self._sync_store = dist.ProcessGroupNCCL(store, rank, world_size, opts), store
         else:
-            self._sync_pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        self._sync_store = store
+            self._sync_pg, self._sync_store = dist.ProcessGroupGloo(store, rank, world_size, timeout), store
         return rank
 
     def sync_close_communicator(self):
-        pg = getattr(self, "_sync_pg", None)
-        self._sync_pg = self._sync_store = None
-        if pg is not None and hasattr(pg, "abort"):  # NCCL: free the communicator at once
-            try:
+        pg, self._sync_pg, self._sync_store = getattr(self, "_sync_pg", None), None, None
+        if hasattr(pg, "abort"):  # NCCL: free the communicator at once
+            with suppress(Exception):
                 pg.abort()
-            except Exception:
-                pass
 
     def sync_packed_modules(self) -> dict[str, list[str]]:
         """vLLM fuses some HF tensors into one (qkv_proj <- q_proj, k_proj, v_proj): those travel together."""
@@ -132,26 +94,18 @@ class WeightSyncWorker:
     def sync_update(self, params: list[dict], bucket_bytes: int) -> int:
         """Receive `params` from rank 0 bucket by bucket and load them into the running model."""
         import torch
-        import torch.distributed as dist
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
+        from vllm.model_executor.model_loader import reload
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
-        model = self.model_runner.get_model()  # not .model: on GPU that can be a CUDA-graph wrapper
-        received = 0
+        model, received = self.model_runner.get_model(), 0  # not .model: on GPU that can be a CUDA-graph wrapper
         with set_current_vllm_config(self.vllm_config):
-            # Layerwise reload: every layer waits until all its weights arrived, then runs vLLM's own
-            # post-load processing (fused q/k/v, CPU GEMM pre-packing) and copies into the live tensors.
-            # Parameters sit on the meta device until finalize: no engine step may run in between, which
-            # holds because this whole update is one collective_rpc.
-            initialize_layerwise_reload(model)
+            # Layerwise reload: every layer waits until all its weights arrived, then runs vLLM's own post-load
+            # processing (fused q/k/v, CPU GEMM pre-packing) and copies into the live tensors. Parameters sit on the
+            # meta device until finalize: no engine step may run in between (this whole update is one collective_rpc).
+            reload.initialize_layerwise_reload(model)
             try:
-                opts = dist.BroadcastOptions()
+                opts = torch.distributed.BroadcastOptions()
                 opts.rootRank = 0
                 buckets = plan_buckets(params, bucket_bytes)
 
@@ -159,7 +113,6 @@ class WeightSyncWorker:
                     # a new buffer per bucket: the reload keeps views of it until their layer completes
                     buf = torch.empty(buckets[b][0], dtype=torch.uint8, device=self.device)
                     return buf, self._sync_pg.broadcast([buf], opts)
-
                 def arriving():  # yields (name, tensor) as buckets arrive, receiving one bucket ahead
                     nonlocal received
                     nxt = post(0)
@@ -178,20 +131,19 @@ class WeightSyncWorker:
                 # The trainer died or stalled mid-push. A layer that got only part of its weights would be
                 # finalized from uninitialised memory: forget those parts so it keeps its old weights.
                 for layer in model.modules():
-                    info = get_layerwise_info(layer)
+                    info = reload.layerwise.get_layerwise_info(layer)
                     if info.can_load() and 0 < info.load_numel < (info.load_numel_total or 0):
                         info.loaded_weights.clear()
                         info.load_numel = 0
                 self.sync_close_communicator()
                 raise
             finally:
-                finalize_layerwise_reload(model, self.model_config)
+                reload.finalize_layerwise_reload(model, self.model_config)
                 if self.device.type == "cpu":
-                    # On CPU, linear layers compute with a pre-packed copy of their weight. A tied lm_head
-                    # shares the embedding's weight but packs its own copy, which the reload does not
-                    # refresh: re-pack every layer that still holds a 2-D weight (embeddings, lm_head).
+                    # On CPU, linear layers compute with a pre-packed copy of their weight. A tied lm_head shares
+                    # the embedding's weight but packs its own copy, which the reload does not refresh: re-pack
+                    # every layer that still holds a 2-D weight (embeddings, lm_head).
                     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
                     for module in model.modules():
                         w = getattr(module, "weight", None)
                         if hasattr(module, "cpu_linear") and w is not None and w.ndim == 2 and w.numel() > 0:
@@ -201,66 +153,46 @@ class WeightSyncWorker:
         return received
 
     def sync_checksums(self, hf_shapes: dict[str, list[int]]) -> dict[str, str]:
-        """sha256 of every weight, as the engine computes with it, under Hugging Face names.
-
-        On CPU a linear layer's weight lives only in a pre-packed GEMM handle (`layer.weight` is empty),
-        so it is read back through that same handle: linear(I) = I @ W^T = W^T, exact in any float dtype.
-        Fused vLLM tensors (qkv_proj, gate_up_proj) are split back into their HF parts by the checkpoint's
-        shapes. With tensor parallelism these are this worker's shards."""
-        import hashlib
-
+        """sha256 of every weight, as the engine computes with it, under Hugging Face names (with tensor parallelism:
+        this worker's shards). On CPU a linear layer's weight lives only in a pre-packed GEMM handle (`layer.weight`
+        is empty), so it is read back through that same handle: linear(I) = I @ W^T = W^T, exact in any float dtype.
+        Fused vLLM tensors (qkv_proj, gate_up_proj) are split back into their HF parts by the checkpoint's shapes."""
         import torch
-
-        model = self.model_runner.get_model()
+        model, dtype, out = self.model_runner.get_model(), self.model_config.dtype, {}
         packed = getattr(model, "packed_modules_mapping", {})
-        out: dict[str, str] = {}
         with torch.no_grad():
             for mod_name, module in model.named_modules():
-                w = module._parameters.get("weight")
-                if w is None:
+                if (w := module._parameters.get("weight")) is None:
                     continue
-                tensors = {"weight": w}
                 if self.device.type == "cpu" and hasattr(module, "cpu_linear"):
                     k = w.shape[1] if w.ndim == 2 and w.numel() > 0 else module.input_size_per_partition
-                    eye = torch.eye(k, dtype=self.model_config.dtype, device=self.device)
-                    tensors["weight"] = module.cpu_linear(eye, w, None).t()
-                if module._parameters.get("bias") is not None:
-                    tensors["bias"] = module._parameters["bias"]
+                    w = module.cpu_linear(torch.eye(k, dtype=dtype, device=self.device), w, None).t()
+                tensors = {n: t for n, t in (("weight", w), ("bias", module._parameters.get("bias"))) if t is not None}
                 prefix, _, leaf = mod_name.rpartition(".")
-                for kind, t in tensors.items():
-                    parts = [f"{mod_name}.{kind}"]
-                    if leaf in packed:  # e.g. qkv_proj -> q_proj, k_proj, v_proj
-                        parts = [f"{prefix}.{p}.{kind}" for p in packed[leaf]]
+                for kind, t in tensors.items():  # a fused leaf has HF parts: qkv_proj -> q_proj, k_proj, v_proj
+                    parts = [f"{prefix}.{p}.{kind}" for p in packed[leaf]] if leaf in packed else [f"{mod_name}.{kind}"]
                     sizes = [hf_shapes[p][0] if p in hf_shapes else None for p in parts]
                     if None in sizes:  # unknown in HF terms: report it whole under vLLM's name
                         parts, sizes = [f"{mod_name}.{kind}"], [t.shape[0]]
                     for name, piece in zip(parts, torch.split(t, sizes, dim=0)):
-                        data = piece.detach().to(self.model_config.dtype).contiguous().cpu().view(torch.uint8)
+                        data = piece.detach().to(dtype).contiguous().cpu().view(torch.uint8)
                         out[name] = hashlib.sha256(data.numpy()).hexdigest()
         return out
 
 
 def checkpoint_specs(model: str, dtype: str) -> dict[str, dict]:
-    """Names and shapes of the checkpoint's tensors (read from safetensors headers, no data loaded),
-    with the dtype the engine computes in: what /update_param_batch accepts."""
-    import glob
-    import json
-
+    """Names and shapes of the checkpoint's tensors (read from safetensors headers, no data loaded), with the dtype
+    the engine computes in: what /update_param_batch accepts. (A hub id is a cache hit: vLLM downloaded it.)"""
+    from huggingface_hub import snapshot_download
     from safetensors import safe_open
-
-    path = model
-    if not os.path.isdir(path):
-        from huggingface_hub import snapshot_download  # vLLM has already downloaded it: a cache hit
-
-        path = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
+    path = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise SystemExit(f"{model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
     specs = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                specs[name] = {"dtype": dtype, "shape": list(sf.get_slice(name).get_shape())}
+            specs.update({name: {"dtype": dtype, "shape": list(sf.get_slice(name).get_shape())} for name in sf.keys()})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
@@ -271,45 +203,29 @@ def checkpoint_specs(model: str, dtype: str) -> dict[str, dict]:
 
 def main(args: Args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can "
-              "replace the model's weights", file=sys.stderr, flush=True)
-    import asyncio
-    import hmac
-    import json
-    import time
-    import uuid
-    from contextlib import asynccontextmanager
-
-    import uvicorn
+        print(f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can replace the "
+              "model's weights", file=sys.stderr, flush=True)
+    import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
     from fastapi.responses import StreamingResponse
     from pydantic import BaseModel
     from transformers import AutoTokenizer
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
-
     # vLLM spawns its workers; they import this file by name to find WeightSyncWorker.
-    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here := os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, here)
-
-    state = {"version": 0, "communicator": None, "updating": False, "tasks": 0, "last_error": None}
-    ctx: dict = {}
+    state, ctx = {"version": 0, "communicator": None, "updating": False, "tasks": 0, "last_error": None}, {}
 
     @asynccontextmanager
     async def lifespan(app):  # the engine needs a running event loop, so it starts here
-        engine_args = AsyncEngineArgs(
-            model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
+        engine_args = AsyncEngineArgs(  # every flag but the server's own goes to vLLM under the same name
+            **{k: v for k, v in vars(args).items() if k not in "host port api_key sync_timeout_s log_level".split()},
             worker_extension_cls="vllm_sync_server.WeightSyncWorker",
             logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: what the sampler used
-            generation_config="vllm",  # the model's generation_config must not change our sampling
-        )
+            generation_config="vllm")  # the model's generation_config must not change our sampling
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
@@ -320,81 +236,54 @@ def main(args: Args) -> None:
         engine.shutdown()
 
     app = FastAPI(title="vllm_sync_server", lifespan=lifespan)
-
     def require_key(request: Request) -> None:  # a dependency: runs before the body is even parsed
-        if args.api_key and not hmac.compare_digest(
-            request.headers.get("authorization", ""), f"Bearer {args.api_key}"
-        ):
+        if args.api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {args.api_key}"):
             raise HTTPException(401, "this route needs the header 'Authorization: Bearer <api key>'")
 
     def two_lines(first: dict, task: asyncio.Task) -> StreamingResponse:
-        """First line now ("go ahead with the collective"), second when the task is done. The task is
-        shielded: a client that hangs up must not cancel an update halfway."""
         async def lines():
-            yield json.dumps(first) + "\n"
-            yield json.dumps(await asyncio.shield(task)) + "\n"
+            yield json.dumps(first) + "\n"  # at once: "go ahead with the collective"
+            yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def collective(method: str, *rpc_args):
         # vLLM honours this timeout only where the worker is a separate process; the group's own timeout
         # (sync_timeout_s) is what really unblocks a worker, this is a backstop.
-        results = await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args)
-        return results[0]
+        return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
     @app.get("/health")
     async def health():  # dtype: what /update_param_batch expects on the wire
         return {"status": "ok", "model": args.model, "dtype": ctx["dtype"]}
-
     @app.get("/runtime_version")
     async def runtime_version():
-        return {"version": state["version"], "updating": state["updating"],
-                "communicator": state["communicator"], "last_error": state["last_error"]}
-
+        return {k: state[k] for k in ("version", "updating", "communicator", "last_error")}
     @app.get("/get_num_background_tasks")
     async def get_num_background_tasks():
         return {"num_background_tasks": state["tasks"]}
 
-    class GenerateRequest(BaseModel):
-        prompts: Optional[list[list[int]]] = None  # token ids, or ...
-        messages: Optional[list[list[dict[str, str]]]] = None  # ... chat messages (chat template applied here)
-        n: int = 1
-        temperature: float = 1.0
-        top_p: float = 1.0
-        top_k: int = 0  # 0 = off
-        max_tokens: int = 256
-        stop: Optional[list[str]] = None
-        seed: Optional[int] = None
-        ignore_eos: bool = False
-
+    class GenerateRequest(BaseModel):  # exactly one of prompts (token ids) and messages (chat template applied here)
+        prompts: Optional[list[list[int]]] = None; messages: Optional[list[list[dict[str, str]]]] = None
+        n: int = 1; temperature: float = 1.0; top_p: float = 1.0; top_k: int = 0; max_tokens: int = 256  # top_k 0: off
+        stop: Optional[list[str]] = None; seed: Optional[int] = None; ignore_eos: bool = False  # prompt i: seed + i
     @app.post("/generate")
     async def generate(req: GenerateRequest):
         if (req.prompts is None) == (req.messages is None):
             raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
         tok = ctx["tokenizer"]
-        prompts = req.prompts or [
-            tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-            for m in req.messages
-        ]
-
-        async def one(i: int, ids: list[int]):
-            params = SamplingParams(
-                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
-                stop=req.stop, seed=None if req.seed is None else req.seed + i, logprobs=0, ignore_eos=req.ignore_eos,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            final = None
-            async for final in ctx["engine"].generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
-                pass
-            completions = []
-            for c in final.outputs:
-                spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
-                completions.append({
-                    "token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+        prompts = req.prompts or [tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                                             add_special_tokens=False) for m in req.messages]
+        def completion(c) -> dict:
+            spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
+            return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                    "versions": sorted({s["version"] for s in spans}), "version_spans": spans,
-                })
-            return {"prompt_token_ids": ids, "completions": completions}
-
+                    "versions": sorted({s["version"] for s in spans}), "version_spans": spans}
+        async def one(i: int, ids: list[int]):
+            params = SamplingParams(**req.model_dump(exclude={"prompts", "messages", "seed"}), logprobs=0,
+                                    seed=None if req.seed is None else req.seed + i,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            async for final in ctx["engine"].generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
+                pass  # FINAL_ONLY: a single output, once the request is done
+            return {"prompt_token_ids": ids, "completions": [completion(c) for c in final.outputs]}
         try:
             results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
         except ValueError as e:  # vLLM's own checks: prompt too long, bad sampling parameters
@@ -402,51 +291,41 @@ def main(args: Args) -> None:
         return {"version": state["version"], "results": results}
 
     class InitRequest(BaseModel):
-        host: str
-        port: int
-        world_size: int
-        rank_offset: int = 1
-
+        host: str; port: int; world_size: int; rank_offset: int = 1
     @app.post("/init_communicator", dependencies=[Depends(require_key)])
     async def init_communicator(req: InitRequest):
-        tp = args.tensor_parallel_size
-        if req.rank_offset < 1 or req.world_size < req.rank_offset + tp:
-            raise HTTPException(400, f"world_size {req.world_size} has no room for ranks {req.rank_offset}.."
-                                     f"{req.rank_offset + tp - 1} of this server's {tp} worker(s)")
+        tp, lo = args.tensor_parallel_size, req.rank_offset
+        if lo < 1 or req.world_size < lo + tp:
+            raise HTTPException(400, f"world_size {req.world_size} has no room for ranks {lo}..{lo + tp - 1} of this "
+                                     f"server's {tp} worker(s)")
         if state["updating"]:
             raise HTTPException(409, "a weight update is running")
-
+        ranks = list(range(lo, lo + tp))
         async def join():
             state["tasks"] += 1
             try:
                 async with ctx["lock"]:
-                    await collective("sync_init_communicator", req.host, req.port, req.world_size,
-                                     req.rank_offset, args.sync_timeout_s)
-                state["communicator"] = {"host": req.host, "port": req.port, "world_size": req.world_size,
-                                         "ranks": [req.rank_offset + r for r in range(tp)]}
+                    await collective("sync_init_communicator", req.host, req.port, req.world_size, lo,
+                                     args.sync_timeout_s)
+                state["communicator"] = {**req.model_dump(exclude={"rank_offset"}), "ranks": ranks}
                 return {"status": "ok", **state["communicator"]}
             except Exception as e:
                 state["communicator"], state["last_error"] = None, f"init_communicator: {e}"
                 return {"status": "error", "error": state["last_error"]}
             finally:
                 state["tasks"] -= 1
+        return two_lines({"status": "joining", "ranks": ranks}, asyncio.create_task(join()))
 
-        return two_lines({"status": "joining", "ranks": [req.rank_offset + r for r in range(tp)]},
-                         asyncio.create_task(join()))
-
-    class UpdateRequest(BaseModel):
-        params: list[dict]
-        version: Optional[int] = None
-        bucket_bytes: int = 1 << 20  # bench/weight_sync.py: big tensors alone, small ones together
-
+    class UpdateRequest(BaseModel):  # bucket_bytes: see bench/weight_sync.py (big tensors alone, small ones together)
+        params: list[dict]; version: Optional[int] = None; bucket_bytes: int = 1 << 20
     @app.post("/update_param_batch", dependencies=[Depends(require_key)])
     async def update_param_batch(req: UpdateRequest):
         if state["communicator"] is None:
             raise HTTPException(409, "no communicator: POST /init_communicator first")
         if state["updating"]:
             raise HTTPException(409, "another weight update is running")
-        # Check everything before the collective starts: gloo checks neither dtype nor size, so a wrong
-        # spec would load garbage, and a refused spec must leave both sides out of the broadcast.
+        # Check everything before the collective starts: gloo checks neither dtype nor size, so a wrong spec would
+        # load garbage, and a refused spec must leave both sides out of the broadcast.
         specs, seen = ctx["specs"], set()
         if not req.params or req.bucket_bytes < 0:
             raise HTTPException(400, "params must be a non-empty list and bucket_bytes >= 0")
@@ -464,21 +343,17 @@ def main(args: Args) -> None:
                                          f"{specs[name]['dtype']} (cast on the trainer)")
         for name in seen:  # a fused layer that got q but not k and v would be loaded from uninitialised memory
             prefix, part, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
-            for parts in ctx["packed"].values():
-                missing = [f"{prefix}.{q}.{kind}" for q in parts if part in parts
-                           and f"{prefix}.{q}.{kind}" in specs and f"{prefix}.{q}.{kind}" not in seen]
-                if missing:
+            for parts in (parts for parts in ctx["packed"].values() if part in parts):
+                if missing := [s for q in parts if (s := f"{prefix}.{q}.{kind}") in specs and s not in seen]:
                     raise HTTPException(400, f"parameter {name!r} is fused with {missing} in vLLM: send them together")
         params = [{"name": p["name"], "dtype": p["dtype"], "shape": list(p["shape"])} for p in req.params]
         state["updating"], state["tasks"] = True, state["tasks"] + 1
-        engine = ctx["engine"]
-
         async def update():
-            t0 = time.perf_counter()
+            t0, engine = time.perf_counter(), ctx["engine"]
             try:
                 async with ctx["lock"]:
-                    # "keep": requests stay queued, their KV cache is dropped and recomputed with the new
-                    # weights on resume; tokens sampled so far keep the version that sampled them.
+                    # "keep": requests stay queued, their KV cache is dropped and recomputed with the new weights
+                    # on resume; tokens sampled so far keep the version that sampled them.
                     await engine.pause_generation(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
@@ -497,7 +372,6 @@ def main(args: Args) -> None:
                 return {"status": "error", "error": state["last_error"]}
             finally:
                 state["updating"], state["tasks"] = False, state["tasks"] - 1
-
         return two_lines({"status": "receiving", "num_params": len(params)}, asyncio.create_task(update()))
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(require_key)])
@@ -515,14 +389,12 @@ def main(args: Args) -> None:
     @app.get("/weights_checksum")
     async def weights_checksum():
         shapes = {k: v["shape"] for k, v in ctx["specs"].items()}
-        async with ctx["lock"]:
-            sums = await collective("sync_checksums", shapes)
-        return {"version": state["version"], "checksums": sums}
+        async with ctx["lock"]:  # not during an update
+            return {"version": state["version"], "checksums": await collective("sync_checksums", shapes)}
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":
     import tyro
-
     main(tyro.cli(Args))
