@@ -1,27 +1,24 @@
 # docs and experiment results: README.md#grpo_gsm8kpy
 """GRPO on GSM8K, in one file: generate with vLLM, grade with math-verify, update, push weights to vLLM.
 
-GRPO (Shao et al. 2024, DeepSeekMath) is PPO without a value network: sample a group of G completions per
-prompt, score each with a verifiable reward (1 if the last \\boxed{} answer equals the gold answer), and use
-the reward minus the group's mean (optionally over the group's std) as every token's advantage. The policy
-maximises the clipped ratio objective of PPO; a KL penalty to a frozen reference is optional (off by
-default, as in DAPO and Dr. GRPO). What this file keeps and drops:
-  - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a
-    collective group after every `--sync-every-steps` updates; its sampling logprobs are returned too;
-  - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is
-    plain REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
-  - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance
-    sampling (`--tis-cap`), and is always logged (`logprob_mismatch`).
+GRPO (Shao et al. 2024, DeepSeekMath) is PPO without a value network: sample a group of G completions per prompt,
+score each with a verifiable reward (1 if the last \\boxed{} answer equals the gold answer), and use the reward minus
+the group's mean (optionally over the group's std) as every token's advantage. The policy maximises the clipped ratio
+objective of PPO; a KL penalty to a frozen reference is optional (off by default, as in DAPO and Dr. GRPO).
+  - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a collective
+    group after every `--sync-every-steps` updates; its sampling logprobs are returned too;
+  - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
+    REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
+  - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
+    (`--tis-cap`), and is always logged (`logprob_mismatch`).
 
-  # two GPUs: vLLM on GPU 0 (started for you), training on GPU 1
-  python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
+  python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server  # vLLM on GPU 0 (started for you), training on GPU 1
   # or against a server you started yourself
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
 """
 
 import atexit
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -35,14 +32,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from typing import Literal, NamedTuple, Optional
 
 import requests
-
 # The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
-
 
 @dataclass
 class Args:
@@ -125,32 +120,26 @@ class Args:
     grade_timeout_s: float = 5.0
     """wall-clock limit for grading one completion"""
 
-
-# ---------------------------------------------------------------------------------------------------
-# Grading: the last \boxed{} of the completion, normalised as a careful human grader would, then
-# math-verify. Runs in worker processes with a wall-clock limit per sample, so it never hangs the loop.
+# Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
+# with a wall-clock limit per sample, so it never hangs the loop.
 class Grade(NamedTuple):
     reward: float
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
-
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
-    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
-    if not boxes:
+    if not (boxes := list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))):
         return None
     i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
     if not text.startswith("{", i):
-        m = re.match(r"[^\s$]+", text[i:])
-        return m.group(0) if m else None
+        return m.group(0) if (m := re.match(r"[^\s$]+", text[i:])) else None
     depth = 0
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1 : j].strip() or None
     return None  # truncated or unbalanced
-
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
@@ -159,7 +148,6 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
     (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
 ]
-
 
 def normalize_answer(s: str) -> str:
     """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
@@ -180,27 +168,22 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
-
 def grade(completion: str, gold: str) -> Grade:
     """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). Call it in a
     main thread (math-verify's timeouts use signals) or through grade_batch."""
     from math_verify import LatexExtractionConfig, parse, verify
-
-    box = last_boxed(completion)
-    if box is None or len(box) > 1000:
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
     cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
     try:  # never str() a parsed object: printing a deep expression can hang
-        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
-        if not pred:
+        if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)):
             return Grade(0.0, False, True)
         ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
         ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
     except Exception:
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
-
 
 def grade_worker(conn) -> None:
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")  # warm-up: imports sympy and builds math-verify's parsers (~1 s)
@@ -211,22 +194,18 @@ def grade_worker(conn) -> None:
         except EOFError:  # the trainer is gone
             return
 
-
 GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
-
 
 def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2) -> list[Grade]:
     """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
     sample scores 0 with parse_error. The rest of the batch is unaffected."""
     ctx = mp.get_context("spawn")
-
     def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
         if old is not None:
             old[0].kill(), old[0].join(1), old[1].close()
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
-
     while len(GRADERS) < workers:
         GRADERS.append(start())
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
@@ -258,8 +237,6 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
                 GRADERS[w] = start(GRADERS[w])
     return results
 
-
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: advantages and the loss
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
@@ -270,12 +247,9 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
     return adv.view(-1)  # [B]
 
-
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
-                loss_type="grpo", *, ref_logprobs=None, beta=0.0, sampling_logprobs=None, tis_cap=None,
-                max_completion_length=None, stats=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, loss_type="grpo", *,
+                ref_logprobs=None, beta=0.0, sampling_logprobs=None, tis_cap=None, max_completion_length=None, stats=None):
     """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
-
     per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
       times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
       gap between the sampler (vLLM) and the trainer (Yao et al. 2025, "off-policy RL in disguise")
@@ -284,9 +258,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
                  dapo    mean over all tokens of the batch (DAPO)
                  dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
     import torch
-
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
-    adv = advantages.unsqueeze(1)  # [B, 1]
+    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)  # [B, T], [B, 1]
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
     per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
     if tis_cap is not None:
@@ -311,25 +283,19 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
             stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
     return loss
 
-
 def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
-    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into
-    [B, T-1]), without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and
-    is recomputed in backward (checkpoint), so at most one [chunk, V] block of logits is alive."""
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) without a [B, T, V] fp32
+    log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
-
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
-
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float()  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-
     return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
                       for i in range(0, h.shape[0], chunk)])  # [N]
-
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
@@ -341,12 +307,10 @@ def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
         cur.append(i)
     return batches + [cur] if cur else batches
 
-
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
     """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
     that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
     import torch
-
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
     Tc = max(1, max(n_comp))
@@ -357,8 +321,6 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
                       dtype=torch.long, device=device)  # [N]
     return ids, attn, mask, at
 
-
-# ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
     """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
@@ -372,7 +334,6 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
-
 
 def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
@@ -388,18 +349,15 @@ def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[
         size = offset + nbytes
     return buckets + [(size, items)] if items else buckets
 
-
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
-
     info = requests.get(url + "/health", timeout=30).json()
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
-    timeout = datetime.timedelta(seconds=300)
-    world_size = 2  # this trainer + one server worker (tensor_parallel_size 1)
+    timeout, world_size = datetime.timedelta(seconds=300), 2  # world: this trainer + one server worker (TP 1)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     lines = (json.loads(x) for x in post(url, "/init_communicator", {"host": host, "port": port,
                                                                       "world_size": world_size}, stream=True).iter_lines() if x)
@@ -410,26 +368,21 @@ def init_weight_sync(url: str, device) -> dict:
         pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
     else:
         pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
-    done = next(lines)
-    if done["status"] != "ok":
+    if (done := next(lines))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
 
-
 def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -> dict:
-    """Broadcast every parameter (cast to the server's dtype) in buckets; returns the server's report.
-    1 MiB buckets: large tensors travel alone and uncopied, small ones (norms, biases) together;
-    bench/weight_sync.py measured this against one broadcast per tensor and larger buckets."""
+    """Broadcast every parameter (cast to the server's dtype) in 1 MiB buckets; returns the server's report. Large tensors
+    travel alone and uncopied, small ones (norms, biases) together; bench/weight_sync.py compared per-tensor and larger buckets."""
     import torch
-    import torch.distributed as dist
-
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
     r = post(sync["url"], "/update_param_batch", {"params": params, "version": version, "bucket_bytes": bucket_bytes}, stream=True)
     lines = (json.loads(x) for x in r.iter_lines() if x)
     next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
-    opts, i, inflight = dist.BroadcastOptions(), 0, []
+    opts, i, inflight = torch.distributed.BroadcastOptions(), 0, []
     opts.rootRank = 0
     for nbytes, items in plan_buckets(params, bucket_bytes):
         if len(items) == 1:
@@ -442,18 +395,14 @@ def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -
         if len(inflight) > 2:
             inflight.pop(0)[1].wait()
         i += len(items)
-    for _, work in inflight:
-        work.wait()
-    done = next(lines)
-    if done["status"] != "ok":
+    [work.wait() for _, work in inflight]
+    if (done := next(lines))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
-
 
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
     import torch
-
     dtype = getattr(torch, sync["dtype"])
     ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
             for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the server reports it
@@ -462,16 +411,13 @@ def verify_weights(sync: dict, model) -> int:
         raise RuntimeError(f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
     return len(theirs)
 
-
 def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seed: int):
     """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt."""
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i}
         return post(url, "/generate", body).json()["results"][0]
-
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
-
 
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
@@ -491,23 +437,17 @@ def start_vllm_server(args: Args, log_path: str):
             time.sleep(0.5)
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
-
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
-
     if os.path.isdir(dataset):
         return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
-
 if __name__ == "__main__":
     import tyro
-
     args = tyro.cli(Args)  # before the heavy imports: --help is instant
-
     import random
-
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -522,12 +462,10 @@ if __name__ == "__main__":
     loggers = set(args.logger.split(","))
     if "wandb" in loggers:
         import wandb
-
-        wandb.init(config=dataclasses.asdict(args), resume="allow")
+        wandb.init(config=asdict(args), resume="allow")
     if "rich" in loggers:
         from rich.console import Console
         from rich.table import Table
-
     def log(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
@@ -540,14 +478,12 @@ if __name__ == "__main__":
             wandb.log(metrics, step=step)
 
     # data: GSM8K problems as chat prompts (token ids), gold = the raw answer field
+    train, test = load_split(args.dataset, "train")[: args.limit], load_split(args.dataset, "test")[: args.eval_limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-
     def prompt_ids(question: str) -> list[int]:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
-
-    train, test = load_split(args.dataset, "train")[: args.limit], load_split(args.dataset, "test")[: args.eval_limit]
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
     step, version, skipped, data_pos = 0, 0, 0, 0
@@ -587,17 +523,13 @@ if __name__ == "__main__":
         results = generate(url, [prompt_ids(r["question"]) for r in rows], args.group_size, args.train_temperature,
                            args.max_completion_tokens, args.concurrency, args.seed * 1_000_003 + step)
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
-
-        # 2) grade
+        # 2) grade; 3) advantages, relative to each prompt's group
         grades = grade_batch([c["text"] for _, _, c in comps], [row["answer"] for row, _, _ in comps], args.grade_timeout_s)
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-
-        # 3) advantages, relative to each prompt's group
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
         # 4) loss and update: num_iterations optimizer steps, each over all micro-batches of the batch
-        seqs = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps]
-        n_prompt = [len(p) for _, p, _ in comps]
+        seqs, n_prompt = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps], [len(p) for _, p, _ in comps]
         n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
         B, T_all, old_lp, stats, bad = len(seqs), max(1, sum(n_comp)), {}, {"mismatch_sum": 0.0, "loss": 0.0}, False
@@ -607,10 +539,9 @@ if __name__ == "__main__":
                 ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
                 with autocast:
                     logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(model, ids, attn, at).float())  # [b, Tc]
-                    ref_lp = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref_lp = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(ref_model, ids, attn, at).float())
+                    with torch.no_grad():
+                        ref_lp = None if ref_model is None else torch.zeros(mask.shape, device=device).masked_scatter(
+                            mask.bool(), token_logprobs(ref_model, ids, attn, at).float())
                 vllm_lp = torch.tensor([c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx for c in [comps[i]]], device=device)
                 if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
@@ -637,7 +568,6 @@ if __name__ == "__main__":
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
         step += 1
-
         # 5) push weights to vLLM
         sync_s = 0.0
         if not bad and step % args.sync_every_steps == 0:
@@ -645,7 +575,6 @@ if __name__ == "__main__":
             sync_s = push_weights(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
-
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         total_tokens += new_tokens
@@ -653,21 +582,18 @@ if __name__ == "__main__":
                    "correct_rate": float(np.mean([g.correct for g in grades])), "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
                    "avg_completion_length": new_tokens / B, "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
                    "clip_frac": stats.get("clipped_tokens", 0.0) / T_all, "logprob_mismatch": stats["mismatch_sum"] / T_all,
-                   "kl": stats.get("kl_sum", 0.0) / T_all, "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
-                   "skipped_steps": skipped, "version": version, "sync_s": sync_s, "step_s": time.time() - t0,
-                   "tokens_per_s": new_tokens / (time.time() - t0)}
+                   "kl": stats.get("kl_sum", 0.0) / T_all, "tis_weight": stats.get("tis_weight_sum", T_all) / T_all, "skipped_steps": skipped,
+                   "version": version, "sync_s": sync_s, "step_s": time.time() - t0, "tokens_per_s": new_tokens / (time.time() - t0)}
         for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
             rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
-                                          "reward": g.reward, "correct": g.correct, "parse_error": g.parse_error, "advantage": a,
-                                          "versions": c["versions"]}) + "\n")
+                                          **g._asdict(), "advantage": a, "versions": c["versions"]}) + "\n")
         rollout_log.flush()
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         log(metrics, step)
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
-            tokenizer.save_pretrained(path)
+            model.save_pretrained(path), tokenizer.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
             torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped, "data_pos": data_pos,
                         "order": order, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                         "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))

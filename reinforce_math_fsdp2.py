@@ -2,24 +2,18 @@
 """Grouped-advantage REINFORCE on MATH with FSDP2 under torchrun, in one file.
 
 Based on grpo_gsm8k.py; what changes and why:
-  - the trainer is sharded with FSDP2 (`fully_shard` per decoder layer, then the root) over the GPUs of
-    torchrun, with bf16 parameters and fp32 gradient reductions, activation checkpointing, and gradient sync
-    only on the last micro-batch. Each rank generates and grades its own share of the prompts;
-  - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL):
-    loss = -sum_i A_i sum_t log pi(o_it) / (number of completion tokens of the whole step). It is GRPO with one
-    iteration, where the ratio is exactly 1 and the clip never fires;
+  - the trainer is sharded with FSDP2 over torchrun's GPUs: bf16 parameters, fp32 gradient reductions, activation
+    checkpointing, gradient sync on the last micro-batch only; each rank generates and grades its own share of the prompts;
+  - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL),
+    loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
   - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
-  - publishing weights: every rank takes part in gathering each full parameter (FSDP's all-gather on the
-    torchrun group); rank 0 alone owns the communicator to vllm_sync_server.py and broadcasts, streaming
-    1 MiB buckets so it never holds a second full copy of the model.
+  - publishing weights: all ranks gather each full parameter (FSDP's all-gather on the torchrun group); rank 0 alone
+    owns the communicator to vllm_sync_server.py and streams 1 MiB buckets: it never holds a second full copy of the model.
 
-  # GPU 0 serves, GPUs 1-3 train
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
       --gpu-memory-utilization 0.8 --max-num-seqs 32
   CUDA_VISIBLE_DEVICES=1,2,3 torchrun --nproc_per_node=3 reinforce_math_fsdp2.py --model Qwen/Qwen2.5-7B-Instruct \\
-      --limit 2048 --train-steps 50 --group-size 8 --concurrency 11 --rollouts-per-update 8 \\
-      --eval-before-start --eval-every 10 --eval-limit 100 --eval-concurrency 32 --max-seq-len 1024 \\
-      --max-completion-tokens 512 --micro-token-budget 16384 --logger print --rank0-only-output
+      --limit 2048 --eval-before-start --rank0-only-output  # GPU 0 serves, GPUs 1-3 train; README.md's other flags are defaults
 """
 
 import datetime
@@ -33,14 +27,12 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from typing import Literal, NamedTuple, Optional
 
 import requests
-
 # Nothing heavy at import time: torchrun's --help must be instant, and grading workers re-import this file.
-
 
 @dataclass
 class Args:
@@ -54,8 +46,7 @@ class Args:
     """evaluation set (test split; `problem`, `solution`), or a local directory with test.jsonl"""
     limit: Optional[int] = None
     """use only the first `limit` training problems"""
-    system_prompt: str = ("Think step by step inside <think>...</think>, then give the final answer after "
-                          "</think> as \\boxed{...}.")
+    system_prompt: str = "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
     """system prompt of every conversation ("" for none)"""
     vllm_host: str = "127.0.0.1"
     """host of vllm_sync_server.py"""
@@ -118,32 +109,26 @@ class Args:
     grade_timeout_s: float = 5.0
     """wall-clock limit for grading one completion"""
 
-
-# ---------------------------------------------------------------------------------------------------
-# Grading: the last \boxed{} of the completion, normalised as a careful human grader would, then
-# math-verify. Runs in worker processes with a wall-clock limit per sample, so it never hangs the loop.
+# Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
+# with a wall-clock limit per sample, so it never hangs the loop.
 class Grade(NamedTuple):
     reward: float
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
-
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
-    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
-    if not boxes:
+    if not (boxes := list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))):
         return None
     i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
     if not text.startswith("{", i):
-        m = re.match(r"[^\s$]+", text[i:])
-        return m.group(0) if m else None
+        return m.group(0) if (m := re.match(r"[^\s$]+", text[i:])) else None
     depth = 0
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1 : j].strip() or None
     return None  # truncated or unbalanced
-
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
@@ -152,7 +137,6 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
     (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
 ]
-
 
 def normalize_answer(s: str) -> str:
     """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
@@ -173,34 +157,27 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
-
 def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
-    """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare
-    answer (MATH-500's `answer`). Strict format: `<think>...</think>`, then the final \\boxed{} after
-    `</think>`; a box only inside the thinking, a missing `</think>`, or no box is a parse error. Call it in
-    a main thread (math-verify's timeouts use signals) or through grade_batch."""
+    """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare answer (MATH-500).
+    Strict format: `<think>...</think>`, then the final \\boxed{} after `</think>`; a box only inside the thinking, a missing
+    `</think>` or no box is a parse error. Call it in a main thread (math-verify's timeouts use signals) or through grade_batch."""
     from math_verify import LatexExtractionConfig, parse, verify
-
     if strict_format:
-        m = re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)
-        if m is None:
+        if (m := re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)) is None:
             return Grade(0.0, False, True)
         completion = m.group(1)  # only what follows the thinking can hold the answer
-    box = last_boxed(completion)
-    if box is None or len(box) > 1000:
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = last_boxed(gold) or gold.strip()
     cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
     try:  # never str() a parsed object: printing a deep expression can hang
-        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
-        if not pred:
+        if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)):
             return Grade(0.0, False, True)
         ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
         ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
     except Exception:
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
-
 
 def grade_worker(conn) -> None:
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False)  # warm-up: imports sympy, builds math-verify's parsers
@@ -211,22 +188,18 @@ def grade_worker(conn) -> None:
         except EOFError:  # the trainer is gone
             return
 
-
 GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
-
 
 def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, strict_format: bool = True) -> list[Grade]:
     """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
     sample scores 0 with parse_error. The rest of the batch is unaffected."""
     ctx = mp.get_context("spawn")
-
     def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
         if old is not None:
             old[0].kill(), old[0].join(1), old[1].close()
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
-
     while len(GRADERS) < workers:
         GRADERS.append(start())
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
@@ -258,8 +231,6 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
                 GRADERS[w] = start(GRADERS[w])
     return results
 
-
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: advantages and the loss
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
@@ -270,38 +241,29 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
     return adv.view(-1)  # [B]
 
-
 def reinforce_loss(logprobs, advantages, mask):
     """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
-    logprobs, mask [B, T] (completion tokens), advantages [B].
-
-    Relation to GRPO (grpo_gsm8k.policy_loss): GRPO's token term is -min(r A, clip(r) A) with
-    r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per batch), r = 1 in
-    value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no KL.
-    Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
+    logprobs, mask [B, T] (completion tokens), advantages [B]. Relation to GRPO (grpo_gsm8k.policy_loss): its token term
+    is -min(r A, clip(r) A) with r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per
+    batch), r = 1 in value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no
+    KL. Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
     per_token = -advantages.unsqueeze(1) * logprobs  # [B, T]
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
-
 def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
-    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into
-    [B, T-1]), without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and
-    is recomputed in backward (checkpoint), so at most one [chunk, V] block of logits is alive."""
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) without a [B, T, V] fp32
+    log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
-
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
-
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float()  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-
     return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
                       for i in range(0, h.shape[0], chunk)])  # [N]
-
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
@@ -313,12 +275,10 @@ def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
         cur.append(i)
     return batches + [cur] if cur else batches
 
-
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
     """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
     that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
     import torch
-
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
     Tc = max(1, max(n_comp))
@@ -329,28 +289,23 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
                       dtype=torch.long, device=device)  # [N]
     return ids, attn, mask, at
 
-
-# ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
 def shard_model(model, param_dtype: str, world_size: int):
-    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, lm_head). Each layer's
-    parameters are all-gathered just before it runs and freed after, so one layer is whole at a time.
-    MixedPrecisionPolicy: compute in `param_dtype`, reduce-scatter gradients in fp32 (sums of bf16
-    gradients over ranks lose precision). The fp32 master weights and AdamW state stay sharded."""
+    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, lm_head). Each layer's parameters are
+    all-gathered just before it runs and freed after: one layer is whole at a time. Compute in `param_dtype`; gradients
+    are reduce-scattered in fp32 (bf16 sums over ranks lose precision). fp32 master weights and AdamW state stay sharded."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     if world_size > 1:
         mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
-    # training calls token_logprobs, not forward: let FSDP run its pre/post-forward hooks (all-gather the
-    # root's parameters, set up the backward reduce-scatter) around it too. A no-op without FSDP.
+    # training calls token_logprobs, not forward: let FSDP run its pre/post-forward hooks (all-gather the root's
+    # parameters, set up the backward reduce-scatter) around it too. A no-op without FSDP.
     model.token_logprobs = token_logprobs.__get__(model)
     register_fsdp_forward_method(model, "token_logprobs")
     return model
-
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
     """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
@@ -364,7 +319,6 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
-
 
 def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
@@ -380,18 +334,15 @@ def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[
         size = offset + nbytes
     return buckets + [(size, items)] if items else buckets
 
-
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
-
     info = requests.get(url + "/health", timeout=30).json()
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
-    timeout = datetime.timedelta(seconds=300)
-    world_size = 2  # this trainer + one server worker (tensor_parallel_size 1)
+    timeout, world_size = datetime.timedelta(seconds=300), 2  # world: this trainer + one server worker (TP 1)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     lines = (json.loads(x) for x in post(url, "/init_communicator", {"host": host, "port": port,
                                                                       "world_size": world_size}, stream=True).iter_lines() if x)
@@ -402,23 +353,19 @@ def init_weight_sync(url: str, device) -> dict:
         pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
     else:
         pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
-    done = next(lines)
-    if done["status"] != "ok":
+    if (done := next(lines))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
 
-
 def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 1 << 20) -> Optional[dict]:
-    """Called on every rank. Each parameter is gathered whole by all ranks in turn (DTensor.full_tensor:
-    an all-gather on the torchrun group, which every rank must join); rank 0, the only one with a
-    communicator (sync), packs it into a 1 MiB bucket and broadcasts full buckets to the server while the
-    next parameters are gathered. At most one gathered parameter and two buckets exist at a time."""
+    """Call on every rank: each parameter is gathered whole by all ranks in turn (DTensor.full_tensor, an all-gather on
+    the torchrun group); rank 0, the only one with a communicator (sync), packs it into a 1 MiB bucket and broadcasts
+    full buckets while the next parameters are gathered: at most one gathered parameter and two buckets exist."""
     import torch
-
     named = list(model.named_parameters())
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 (DTensor under FSDP)
     if sync is None:  # ranks > 0: take part in the gathers, in the same order, and nothing else
-        for _, p in named:
+        for _, p in named:  # (a loop, not a list: one gathered parameter at a time)
             full(p.detach())
         return None
     dtype = getattr(torch, sync["dtype"])
@@ -436,48 +383,35 @@ def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
         if len(inflight) > 2:
             inflight.pop(0)[1].wait()
-    for _, work in inflight:
-        work.wait()
-    done = next(lines)
-    if done["status"] != "ok":
+    [work.wait() for _, work in inflight]
+    if (done := next(lines))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
-
 
 def full_state_dict(model) -> dict:
     """Every rank must call it (it gathers); rank 0 gets plain tensors on CPU under Hugging Face names."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
 def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]):
-    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt.
-    A prompt's seed follows its place in the global batch, not the rank that asks: runs on any number of
-    ranks sample the same completions."""
-
+    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt. A prompt's
+    seed follows its place in the global batch, not the rank that asks: any number of ranks samples the same."""
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
         return post(url, "/generate", body).json()["results"][0]
-
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
-
 
 def load_rows(dataset: str, split: str) -> list[dict]:
     """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
-
     if os.path.isdir(dataset):
         return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
     return list(datasets.load_dataset(dataset, split=split))
 
-
 if __name__ == "__main__":
     import contextlib
-
     import tyro
-
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         args = tyro.cli(Args)  # before importing torch: --help is instant
@@ -491,10 +425,8 @@ if __name__ == "__main__":
                 raise
         if args.rank0_only_output:
             sys.stdout = open(os.devnull, "w")
-
     import logging
     import random
-
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -512,49 +444,37 @@ if __name__ == "__main__":
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
     logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
     log = logging.getLogger("reinforce_math_fsdp2")
-
     def all_sum(*xs: float, op=None) -> list[float]:
         t = torch.tensor(xs, dtype=torch.float64, device=device)
         if world_size > 1:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
         return t.tolist()
-
     random.seed(args.seed + rank), np.random.seed(args.seed + rank), torch.manual_seed(args.seed)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     loggers = set(args.logger.split(",")) if rank == 0 else set()
     if "wandb" in loggers:
-        import dataclasses
-
         import wandb
-
-        wandb.init(config=dataclasses.asdict(args), resume="allow")
-
+        wandb.init(config=asdict(args), resume="allow")
     def report(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
             print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "rich" in loggers:
-            from rich.console import Console
-            from rich.table import Table
-
-            table = Table("metric", "value", title=f"step {step}")
-            [table.add_row(k, v) for k, v in text.items()]
-            Console().print(table)
+            from rich import console, table
+            t = table.Table("metric", "value", title=f"step {step}")
+            [t.add_row(k, v) for k, v in text.items()]
+            console.Console().print(t)
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
-    # data: the same permutation on every rank; each step takes the next rollouts_per_update x world_size
-    # prompts and rank r keeps every world_size-th from r (no duplicates across ranks)
+    # data: one permutation on all ranks; per step, rank r keeps every world_size-th of the next rollouts_per_update x world_size
+    train, test = load_rows(args.dataset, "train")[: args.limit], load_rows(args.eval_dataset, "test")[: args.eval_limit]
+    order = np.random.default_rng(args.seed).permutation(len(train))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-
     def prompt_ids(problem: str) -> list[int]:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
-
-    train, test = load_rows(args.dataset, "train")[: args.limit], load_rows(args.eval_dataset, "test")[: args.eval_limit]
-    order = np.random.default_rng(args.seed).permutation(len(train))
-
     # model: fp32 master weights, sharded; AdamW on the shards
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     if args.activation_checkpointing:
@@ -573,20 +493,8 @@ if __name__ == "__main__":
         step, version, data_pos = state["step"], state["version"], state["data_pos"]
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
         log.info("resumed from %s at step %d", path, step)
-
-    # only rank 0 talks to the server: its own communicator, outside the torchrun group
-    sync = init_weight_sync(url, device) if rank == 0 else None
+    sync = init_weight_sync(url, device) if rank == 0 else None  # rank 0 alone talks to the server, outside the torchrun group
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
-
-    def check_sync() -> None:  # all ranks gather the full state dict; rank 0 compares it with the server's
-        sd = full_state_dict(model)
-        if rank == 0:
-            theirs = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"]
-            dtype = getattr(torch, sync["dtype"])
-            bad = [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]
-            if bad:
-                raise RuntimeError(f"weights differ after the push: {bad[:5]}")
-
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
         rows = test[rank::world_size]
         results = generate(url, [prompt_ids(r["problem"]) for r in rows], 1, args.eval_temperature, args.max_completion_tokens,
@@ -596,11 +504,9 @@ if __name__ == "__main__":
         n, correct, parse_err, length = all_sum(len(rows), sum(g.correct for g in grades), sum(g.parse_error for g in grades),
                                                 sum(len(res["completions"][0]["token_ids"]) for res in results))
         return {"eval/accuracy": correct / max(n, 1), "eval/parse_err_rate": parse_err / max(n, 1), "eval/avg_completion_length": length / max(n, 1)}
-
     if args.eval_before_start and step == 0:
         report(evaluate(), step)
-    rollout_log = open(args.rollout_log.replace("{RANK}", str(rank)), "a")
-    total_tokens, start_time = 0, time.time()
+    rollout_log, total_tokens, start_time = open(args.rollout_log.replace("{RANK}", str(rank)), "a"), 0, time.time()
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate this rank's share of the step's prompts, group_size completions each
@@ -610,19 +516,15 @@ if __name__ == "__main__":
         results = generate(url, [prompt_ids(r["problem"]) for r in rows], args.group_size, args.train_temperature,
                            args.max_completion_tokens, args.concurrency, [args.seed * 1_000_003 + data_pos + k for k in global_idx])
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
-
-        # 2) grade (strict format)
+        # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
         grades = grade_batch([c["text"] for _, _, c in comps], [row["solution"] for row, _, _ in comps], args.grade_timeout_s,
                              strict_format=args.strict_format)
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-
-        # 3) advantages, relative to each prompt's group (groups never straddle ranks)
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
         # 4) loss and update. Every rank must run the same number of forward/backward passes (each one
         # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
-        seqs = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps]
-        n_prompt = [len(p) for _, p, _ in comps]
+        seqs, n_prompt = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps], [len(p) for _, p, _ in comps]
         n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
         n_micro, T_global = all_sum(len(micro), op=dist.ReduceOp.MAX if world_size > 1 else None)[0], all_sum(sum(n_comp))[0]
@@ -651,15 +553,17 @@ if __name__ == "__main__":
         else:
             log.warning("non-finite gradient at step %d: step skipped", step)
         step += 1
-
         # 5) push weights to vLLM: all ranks gather, rank 0 broadcasts
-        t_sync = time.time()
-        version += 1
+        t_sync, version = time.time(), version + 1
         push_weights(sync, model, version)
-        if args.verify_sync:
-            check_sync()
+        if args.verify_sync:  # all ranks gather the full state dict; rank 0 compares it with the server's
+            sd = full_state_dict(model)
+            if rank == 0:
+                theirs, dtype = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"], getattr(torch, sync["dtype"])
+                bad = [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]
+                if bad:
+                    raise RuntimeError(f"weights differ after the push: {bad[:5]}")
         sync_s = time.time() - t_sync
-
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         n, r_sum, correct, parse_err, tokens, loss_all, mismatch = all_sum(
@@ -667,11 +571,11 @@ if __name__ == "__main__":
         total_tokens += tokens
         metrics = {"loss": loss_all, "grad_norm": grad_norm, "reward": r_sum / n, "correct_rate": correct / n, "parse_err_rate": parse_err / n,
                    "avg_completion_length": tokens / n, "completion_tokens": int(tokens), "total_completion_tokens": int(total_tokens),
-                   "logprob_mismatch": mismatch / max(T_global, 1), "version": version, "sync_s": sync_s,
-                   "step_s": time.time() - t0, "tokens_per_s": tokens / (time.time() - t0)}
+                   "logprob_mismatch": mismatch / max(T_global, 1), "version": version, "sync_s": sync_s, "step_s": time.time() - t0,
+                   "tokens_per_s": tokens / (time.time() - t0)}
         for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
-            rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], "reward": g.reward,
-                                          "correct": g.correct, "parse_error": g.parse_error, "advantage": a, "versions": c["versions"]}) + "\n")
+            rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], **g._asdict(),
+                                          "advantage": a, "versions": c["versions"]}) + "\n")
         rollout_log.flush()
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
@@ -680,12 +584,10 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
             if rank == 0:
-                os.makedirs(path, exist_ok=True)
+                model.config.save_pretrained(path), tokenizer.save_pretrained(path)  # (these create the directory)
                 if model.config.tie_word_embeddings:
                     sd.pop("lm_head.weight", None)
                 save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-                model.config.save_pretrained(path)
-                tokenizer.save_pretrained(path)
             del sd
             msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
