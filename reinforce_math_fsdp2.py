@@ -162,6 +162,7 @@ def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
     Strict format: `<think>...</think>`, then the final \\boxed{} after `</think>`; a box only inside the thinking, a missing
     `</think>` or no box is a parse error. Call it in a main thread (math-verify's timeouts use signals) or through grade_batch."""
     from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
     if strict_format:
         if (m := re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)) is None:
             return Grade(0.0, False, True)
@@ -174,8 +175,11 @@ def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
         if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)):
             return Grade(0.0, False, True)
         ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
-        ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)  # gold first: not symmetric
-    except Exception:
+        try:  # gold first: not symmetric. raise_on_error tells a timeout (parse error) from a plain "not equal"
+            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
+        except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
+    except (Exception, TimeoutException):
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
 
@@ -188,30 +192,34 @@ def grade_worker(conn) -> None:
         except EOFError:  # the trainer is gone
             return
 
-GRADERS: list = []  # [process, pipe, ready] per worker, started once and reused
+GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
+SLOW_S = 0.25  # a sample running longer is suspected stuck: a spare worker takes the next one
 
 def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, strict_format: bool = True) -> list[Grade]:
     """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
-    sample scores 0 with parse_error. The rest of the batch is unaffected."""
+    sample scores 0 with parse_error. `workers` samples run at once; as many spare workers
+    stand by, warm, so that neither a stuck sample nor the restart of its killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
-    def start(old=None):  # a new worker (killing `old`); spawn, so it never inherits threads or CUDA
-        if old is not None:
-            old[0].kill(), old[0].join(1), old[1].close()
+    def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
-    while len(GRADERS) < workers:
-        GRADERS.append(start())
+    def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
+        GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
+        GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
+    GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
-        for w, (proc, conn, ready) in enumerate(GRADERS):
-            if ready and w not in busy and todo:
-                i = todo.pop()
-                conn.send((completions[i], golds[i], strict_format))
-                busy[w] = (i, time.monotonic() + timeout_s)  # the clock starts when the sample is handed out
-        pending = {GRADERS[w][1]: w for w in range(workers) if w in busy or not GRADERS[w][2]}
-        deadline = min((d for _, d in busy.values()), default=time.monotonic() + 60)
-        for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+        now = time.monotonic()
+        fresh = sum(now - t < SLOW_S for _, t in busy.values())  # samples not suspected stuck
+        for w, g in enumerate(GRADERS):
+            if g and g[2] and w not in busy and todo and fresh < workers:
+                i, fresh = todo.pop(), fresh + 1
+                g[1].send((completions[i], golds[i], strict_format))
+                busy[w] = (i, now)  # the clock starts when the sample is handed out
+        pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
+        wake = min((t + (SLOW_S if now - t < SLOW_S else timeout_s) for _, t in busy.values()), default=now + 60)
+        for conn in wait(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
                 msg = conn.recv()
@@ -219,16 +227,17 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
                 del busy[w]
-                GRADERS[w] = start(GRADERS[w])
+                kill(w)
                 continue
             if w in busy:
                 results[busy.pop(w)[0]] = Grade(*msg)
             else:
                 GRADERS[w][2] = True
-        for w, (i, d) in list(busy.items()):
-            if time.monotonic() >= d:
+        for w, (i, t) in list(busy.items()):
+            if time.monotonic() - t >= timeout_s:
                 del busy[w]
-                GRADERS[w] = start(GRADERS[w])
+                kill(w)
+    GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 
 # ALGO LOGIC: advantages and the loss
