@@ -160,8 +160,7 @@ def gold_answer(gold: str, task: str) -> str:
 def grade(completion: str, gold: str, task: str, strict_format: bool = False) -> Grade:
     """Reward of one completion against a raw gold field of `task`. Call it in a main thread (math-verify's
     timeouts use signals) or through grade_batch."""
-    from math_verify import LatexExtractionConfig, parse, verify
-    from math_verify.errors import TimeoutException
+    from math_verify import LatexExtractionConfig, errors, parse, verify
 
     box = extract_answer(completion, strict_format)
     if box is None or len(box) > 1000:
@@ -177,7 +176,7 @@ def grade(completion: str, gold: str, task: str, strict_format: bool = False) ->
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
         except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
-    except (Exception, TimeoutException):
+    except (Exception, errors.TimeoutException):  # a BaseException
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
 
@@ -193,52 +192,46 @@ def grade_worker(conn) -> None:
 
 
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
-SLOW_S = 0.25  # a sample running longer is suspected stuck: a spare worker takes the next one
 
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2,
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
                 task: str = "math500", strict_format: bool = False) -> list[Grade]:
-    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
-    sample scores 0 with parse_error. `workers` samples run at once; as many spare workers
-    stand by, warm, so that neither a stuck sample nor the restart of its killed worker stalls the rest."""
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed: its sample scores 0, parse_error.
+    `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
+    neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
-        GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
+        busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
         now = time.monotonic()
-        fresh = sum(now - t < SLOW_S for _, t in busy.values())  # samples not suspected stuck
+        fresh = sum(now - t < slow_s for _, t in busy.values())  # samples not suspected stuck
         for w, g in enumerate(GRADERS):
             if g and g[2] and w not in busy and todo and fresh < workers:
                 i, fresh = todo.pop(), fresh + 1
                 g[1].send((completions[i], golds[i], task, strict_format))
                 busy[w] = (i, now)  # the clock starts when the sample is handed out
         pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
-        wake = min((t + (SLOW_S if now - t < SLOW_S else timeout_s) for _, t in busy.values()), default=now + 60)
+        wake = min((t + (slow_s if now - t < slow_s else timeout_s) for _, t in busy.values()), default=now + 60)
         for conn in wait(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
-                msg = conn.recv()
+                if w not in busy:
+                    GRADERS[w][2] = conn.recv() is None  # "ready": warmed up
+                else:  # (the right-hand side runs first: no pop if recv fails)
+                    results[busy.pop(w)[0]] = Grade(*conn.recv())
             except EOFError:  # the worker died: its sample keeps the default verdict
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
-                del busy[w]
                 kill(w)
-                continue
-            if w in busy:
-                results[busy.pop(w)[0]] = Grade(*msg)
-            else:
-                GRADERS[w][2] = True
-        for w, (i, t) in list(busy.items()):
-            if time.monotonic() - t >= timeout_s:
-                del busy[w]
-                kill(w)
+        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= timeout_s]:
+            kill(w)
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 

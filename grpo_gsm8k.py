@@ -171,8 +171,7 @@ def normalize_answer(s: str) -> str:
 def grade(completion: str, gold: str) -> Grade:
     """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). Call it in a
     main thread (math-verify's timeouts use signals) or through grade_batch."""
-    from math_verify import LatexExtractionConfig, parse, verify
-    from math_verify.errors import TimeoutException
+    from math_verify import LatexExtractionConfig, errors, parse, verify
     if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
@@ -185,7 +184,7 @@ def grade(completion: str, gold: str) -> Grade:
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
         except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
-    except (Exception, TimeoutException):
+    except (Exception, errors.TimeoutException):  # a BaseException
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
 
@@ -199,50 +198,44 @@ def grade_worker(conn) -> None:
             return
 
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
-SLOW_S = 0.25  # a sample running longer is suspected stuck: a spare worker takes the next one
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2) -> list[Grade]:
-    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
-    sample scores 0 with parse_error. `workers` samples run at once; as many spare workers
-    stand by, warm, so that neither a stuck sample nor the restart of its killed worker stalls the rest."""
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed: its sample scores 0, parse_error.
+    `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
+    neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
-        GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
+        busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
         now = time.monotonic()
-        fresh = sum(now - t < SLOW_S for _, t in busy.values())  # samples not suspected stuck
+        fresh = sum(now - t < slow_s for _, t in busy.values())  # samples not suspected stuck
         for w, g in enumerate(GRADERS):
             if g and g[2] and w not in busy and todo and fresh < workers:
                 i, fresh = todo.pop(), fresh + 1
                 g[1].send((completions[i], golds[i]))
                 busy[w] = (i, now)  # the clock starts when the sample is handed out
         pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
-        wake = min((t + (SLOW_S if now - t < SLOW_S else timeout_s) for _, t in busy.values()), default=now + 60)
+        wake = min((t + (slow_s if now - t < slow_s else timeout_s) for _, t in busy.values()), default=now + 60)
         for conn in wait(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
-                msg = conn.recv()
+                if w not in busy:
+                    GRADERS[w][2] = conn.recv() is None  # "ready": warmed up
+                else:  # (the right-hand side runs first: no pop if recv fails)
+                    results[busy.pop(w)[0]] = Grade(*conn.recv())
             except EOFError:  # the worker died: its sample keeps the default verdict
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
-                del busy[w]
                 kill(w)
-                continue
-            if w in busy:
-                results[busy.pop(w)[0]] = Grade(*msg)
-            else:
-                GRADERS[w][2] = True
-        for w, (i, t) in list(busy.items()):
-            if time.monotonic() - t >= timeout_s:
-                del busy[w]
-                kill(w)
+        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= timeout_s]:
+            kill(w)
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 
@@ -381,9 +374,9 @@ def init_weight_sync(url: str, device) -> dict:
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
 
-def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -> dict:
-    """Broadcast every parameter (cast to the server's dtype) in 1 MiB buckets; returns the server's report. Large tensors
-    travel alone and uncopied, small ones (norms, biases) together; bench/weight_sync.py compared per-tensor and larger buckets."""
+def push_weights(sync: dict, model, version: int, bucket_bytes: int = 0) -> dict:
+    """Broadcast every parameter (cast to the server's dtype), each alone and uncopied (bucket_bytes > 0 packs small ones
+    together); returns the server's report. bench/weight_sync.py found single tensors fastest: the server receives them in place."""
     import torch
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
@@ -498,9 +491,8 @@ if __name__ == "__main__":
     step, version, skipped, data_pos = 0, 0, 0, 0
     ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
-    model.train()
     ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
@@ -523,7 +515,7 @@ if __name__ == "__main__":
 
     if args.eval_before_start and step == 0:
         log(evaluate(), step)
-    rollout_log, total_tokens, start_time = open(args.rollout_log, "a"), 0, time.time()
+    rollout_log, total_tokens, start_time = open(args.rollout_log, "a", buffering=1), 0, time.time()  # line-buffered
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
@@ -561,15 +553,13 @@ if __name__ == "__main__":
                 # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
                 # the whole batch, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
                 loss = loss * (sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B)
-                if not torch.isfinite(loss):
-                    bad = True
+                if bad := not torch.isfinite(loss).item():
                     break
                 loss.backward()
                 stats["loss"] += loss.item() if it == 0 else 0.0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
-            if bad or not torch.isfinite(grad_norm):
-                bad = True
+            if bad := bad or not torch.isfinite(grad_norm).item():
                 break
             optimizer.step()
         if bad:  # skip the step: no update, nothing pushed
@@ -596,7 +586,6 @@ if __name__ == "__main__":
         for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
             rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
                                           **g._asdict(), "advantage": a, "versions": c["versions"]}) + "\n")
-        rollout_log.flush()
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         log(metrics, step)

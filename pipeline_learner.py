@@ -288,7 +288,7 @@ def init_weight_sync(urls: list[str], device) -> dict:
     return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device}
 
 
-def push_weights(sync: dict, model, version: int, bucket_bytes: int = 1 << 20) -> float:
+def push_weights(sync: dict, model, version: int, bucket_bytes: int = 0) -> float:
     """Broadcast every parameter (cast to the servers' dtype) in buckets to all servers at once; they load them,
     pausing and resuming the generation in flight, and all take the same `version`. Returns the seconds taken."""
     import torch

@@ -8,7 +8,7 @@ Based on grpo_gsm8k.py; what changes and why:
     loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
   - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
   - publishing weights: all ranks gather each full parameter (FSDP's all-gather on the torchrun group); rank 0 alone
-    owns the communicator to vllm_sync_server.py and streams 1 MiB buckets: it never holds a second full copy of the model.
+    owns the communicator to vllm_sync_server.py and streams them one by one: it never holds a second full copy of the model.
 
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
       --gpu-memory-utilization 0.8 --max-num-seqs 32
@@ -161,8 +161,7 @@ def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
     """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare answer (MATH-500).
     Strict format: `<think>...</think>`, then the final \\boxed{} after `</think>`; a box only inside the thinking, a missing
     `</think>` or no box is a parse error. Call it in a main thread (math-verify's timeouts use signals) or through grade_batch."""
-    from math_verify import LatexExtractionConfig, parse, verify
-    from math_verify.errors import TimeoutException
+    from math_verify import LatexExtractionConfig, errors, parse, verify
     if strict_format:
         if (m := re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)) is None:
             return Grade(0.0, False, True)
@@ -179,7 +178,7 @@ def grade(completion: str, gold: str, strict_format: bool = True) -> Grade:
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
         except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
             ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
-    except (Exception, TimeoutException):
+    except (Exception, errors.TimeoutException):  # a BaseException
         return Grade(0.0, False, True)
     return Grade(float(ok), bool(ok), False)
 
@@ -193,50 +192,44 @@ def grade_worker(conn) -> None:
             return
 
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
-SLOW_S = 0.25  # a sample running longer is suspected stuck: a spare worker takes the next one
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, strict_format: bool = True) -> list[Grade]:
-    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed and replaced and its
-    sample scores 0 with parse_error. `workers` samples run at once; as many spare workers
-    stand by, warm, so that neither a stuck sample nor the restart of its killed worker stalls the rest."""
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25, strict_format: bool = True) -> list[Grade]:
+    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed: its sample scores 0, parse_error.
+    `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
+    neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
-        GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
+        busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
         now = time.monotonic()
-        fresh = sum(now - t < SLOW_S for _, t in busy.values())  # samples not suspected stuck
+        fresh = sum(now - t < slow_s for _, t in busy.values())  # samples not suspected stuck
         for w, g in enumerate(GRADERS):
             if g and g[2] and w not in busy and todo and fresh < workers:
                 i, fresh = todo.pop(), fresh + 1
                 g[1].send((completions[i], golds[i], strict_format))
                 busy[w] = (i, now)  # the clock starts when the sample is handed out
         pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
-        wake = min((t + (SLOW_S if now - t < SLOW_S else timeout_s) for _, t in busy.values()), default=now + 60)
+        wake = min((t + (slow_s if now - t < slow_s else timeout_s) for _, t in busy.values()), default=now + 60)
         for conn in wait(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
-                msg = conn.recv()
+                if w not in busy:
+                    GRADERS[w][2] = conn.recv() is None  # "ready": warmed up
+                else:  # (the right-hand side runs first: no pop if recv fails)
+                    results[busy.pop(w)[0]] = Grade(*conn.recv())
             except EOFError:  # the worker died: its sample keeps the default verdict
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
-                del busy[w]
                 kill(w)
-                continue
-            if w in busy:
-                results[busy.pop(w)[0]] = Grade(*msg)
-            else:
-                GRADERS[w][2] = True
-        for w, (i, t) in list(busy.items()):
-            if time.monotonic() - t >= timeout_s:
-                del busy[w]
-                kill(w)
+        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= timeout_s]:
+            kill(w)
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 
@@ -366,10 +359,10 @@ def init_weight_sync(url: str, device) -> dict:
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
 
-def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 1 << 20) -> Optional[dict]:
+def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 0) -> Optional[dict]:
     """Call on every rank: each parameter is gathered whole by all ranks in turn (DTensor.full_tensor, an all-gather on
-    the torchrun group); rank 0, the only one with a communicator (sync), packs it into a 1 MiB bucket and broadcasts
-    full buckets while the next parameters are gathered: at most one gathered parameter and two buckets exist."""
+    the torchrun group); rank 0, the only one with a communicator (sync), broadcasts it (or, with bucket_bytes > 0, full
+    buckets) while the next parameters are gathered: at most a few gathered parameters exist at once."""
     import torch
     named = list(model.named_parameters())
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 (DTensor under FSDP)
@@ -485,10 +478,9 @@ if __name__ == "__main__":
         text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     # model: fp32 master weights, sharded; AdamW on the shards
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
     model = shard_model(model, args.param_dtype, world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     step, version, data_pos = 0, 0, 0
@@ -515,7 +507,7 @@ if __name__ == "__main__":
         return {"eval/accuracy": correct / max(n, 1), "eval/parse_err_rate": parse_err / max(n, 1), "eval/avg_completion_length": length / max(n, 1)}
     if args.eval_before_start and step == 0:
         report(evaluate(), step)
-    rollout_log, total_tokens, start_time = open(args.rollout_log.replace("{RANK}", str(rank)), "a"), 0, time.time()
+    rollout_log, total_tokens, start_time = open(args.rollout_log.replace("{RANK}", str(rank)), "a", buffering=1), 0, time.time()
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate this rank's share of the step's prompts, group_size completions each
@@ -569,8 +561,7 @@ if __name__ == "__main__":
             sd = full_state_dict(model)
             if rank == 0:
                 theirs, dtype = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"], getattr(torch, sync["dtype"])
-                bad = [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]
-                if bad:
+                if bad := [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]:
                     raise RuntimeError(f"weights differ after the push: {bad[:5]}")
         sync_s = time.time() - t_sync
         # 6) log, evaluate, checkpoint
@@ -585,7 +576,6 @@ if __name__ == "__main__":
         for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
             rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], **g._asdict(),
                                           "advantage": a, "versions": c["versions"]}) + "\n")
-        rollout_log.flush()
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         report(metrics, step)

@@ -361,8 +361,8 @@ def main(args: Args) -> None:
                 state["tasks"] -= 1
         return two_lines({"status": "joining", "ranks": ranks}, asyncio.create_task(join()))
 
-    class UpdateRequest(BaseModel):  # bucket_bytes: see bench/weight_sync.py (big tensors alone, small ones together)
-        params: list[dict]; version: Optional[int] = None; bucket_bytes: int = 1 << 20
+    class UpdateRequest(BaseModel):  # bucket_bytes 0: each tensor alone, in place (bench/weight_sync.py chose it)
+        params: list[dict]; version: Optional[int] = None; bucket_bytes: int = 0
     @app.post("/update_param_batch", dependencies=[Depends(require_key)])
     async def update_param_batch(req: UpdateRequest):
         if state["communicator"] is None:
@@ -399,7 +399,8 @@ def main(args: Args) -> None:
                 async with ctx["lock"]:
                     # "keep": requests stay queued, their KV cache is dropped and recomputed with the new weights
                     # on resume; tokens sampled so far keep the version that sampled them.
-                    await engine.pause_generation(mode="keep", clear_cache=True)
+                    # (AsyncLLM.pause_generation adds a 20 ms sleep "not required for correctness": skipped)
+                    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
                         n, direct = await collective("sync_update", params, req.bucket_bytes, args.direct_load)
