@@ -1,13 +1,9 @@
 """vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
 
-Every script in cleanrlvr talks to this one file: vLLM's async engine (V1) runs in this process, next to HTTP
-routes for generation (/health, /runtime_version, /get_num_background_tasks, /generate) and weight sync
-(/init_communicator, /update_param_batch, /reset_prefix_cache, /close_communicator, /weights_checksum).
-The trainer is rank 0 of a collective group it owns; this server's workers join it as ranks rank_offset + tp_rank.
-/init_communicator and /update_param_batch answer in two JSON lines: the first ("joining", "receiving") tells the
-trainer to enter the collective now, the second reports the result. An update's metadata is checked before any
-collective starts; requests in flight are paused and resumed, never dropped; a trainer that dies mid-push is
-dropped after --sync-timeout-s and the server keeps generating. README.md#vllm_sync_serverpy has the details.
+vLLM's async engine (V1) runs in this process next to the HTTP routes. The trainer is rank 0 of a collective group
+it owns; this server's workers join it. /init_communicator and /update_param_batch answer in two JSON lines: the
+first tells the trainer to enter the collective now, the second reports the result. README.md#vllm_sync_serverpy
+has the details.
 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
@@ -108,17 +104,23 @@ class WeightSyncWorker:
             with suppress(Exception):
                 pg.abort()
 
-    def sync_prepare(self, hf_shapes: dict[str, list[int]], files: Optional[list[str]] = None) -> dict[str, list[str]]:
-        """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter itself, or its rows in
-        a tensor vLLM fused (qkv_proj <- q_proj, k_proj, v_proj; gate_up_proj <- gate_proj, up_proj). With tensor
-        parallelism these are this worker's shards. On CPU, vLLM computes each linear layer with a pre-packed
-        oneDNN copy of its weight (and drops `layer.weight`); this unpacks them, read back exactly through the
-        packed GEMM (linear(I) = I @ W^T = W^T), and lets the layer compute with torch's linear on its plain weight,
-        as vLLM itself does for layers it does not pack. Then a weight written in place takes effect, and a
-        checksum of the tensor is a checksum of what the engine computes with. Returns vLLM's fusion map."""
+    def sync_prepare(self, files: Optional[list[str]] = None) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
+        """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter, or its rows in a tensor
+        vLLM fused (qkv_proj <- q_proj, k_proj, v_proj). On CPU, vLLM computes each linear layer with a packed oneDNN
+        copy of its weight; read it back exactly (linear(I) = W^T) and compute with torch's linear on the plain weight,
+        as vLLM does for layers it does not pack: a weight written in place then takes effect. Returns the checkpoint's
+        shapes (from the safetensors headers of `files`, at start; the same later) and vLLM's fusion map."""
         import torch
         from safetensors import safe_open
-        model, dtype, self._sync_targets, self._sync_shapes = self.model_runner.get_model(), self.model_config.dtype, {}, hf_shapes
+        if files is not None:
+            self._sync_shapes = {}
+            for f in files:
+                with safe_open(f, framework="pt") as sf:
+                    self._sync_shapes.update({n: list(sf.get_slice(n).get_shape()) for n in sf.keys()})
+        hf_shapes = self._sync_shapes  # a tied lm_head: a trainer's state_dict lists it too, so it is accepted
+        if self.model_config.hf_text_config.tie_word_embeddings and "model.embed_tokens.weight" in hf_shapes:
+            hf_shapes.setdefault("lm_head.weight", hf_shapes["model.embed_tokens.weight"])
+        model, dtype, self._sync_targets = self.model_runner.get_model(), self.model_config.dtype, {}
         packed, tp = getattr(model, "packed_modules_mapping", {}), self.vllm_config.parallel_config.tensor_parallel_size
         with torch.no_grad():
             for mod_name, module in model.named_modules():
@@ -147,7 +149,7 @@ class WeightSyncWorker:
                     for name in (n for n in sf.keys() if ".layers." not in n or ".layers.0." in n):
                         t = self._sync_targets.get(name)
                         self._sync_exact &= t is not None and torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu())
-        return dict(packed)
+        return hf_shapes, dict(packed)
 
     def sync_update(self, params: list[dict], bucket_bytes: int, direct: bool) -> tuple[int, bool]:
         """Receive `params` from rank 0 bucket by bucket and load them into the running model. Returns (count, direct)."""
@@ -211,7 +213,7 @@ class WeightSyncWorker:
                 raise
             finally:
                 reload.finalize_layerwise_reload(model, self.model_config)
-                self.sync_prepare(self._sync_shapes)  # on CPU the reload packed the embedding's lm_head GEMM again
+                self.sync_prepare()  # on CPU the reload packed the embedding's lm_head GEMM again
 
     def sync_checksums(self) -> dict[str, str]:
         """sha256 of every weight the engine computes with, under Hugging Face names (with TP: this worker's shards)."""
@@ -220,25 +222,13 @@ class WeightSyncWorker:
                 for name, t in self._sync_targets.items()}
 
 
-def checkpoint_specs(model: str, dtype: str) -> tuple[dict[str, dict], list[str]]:
-    """Names and shapes of the checkpoint's tensors (read from safetensors headers, no data loaded), with the dtype
-    the engine computes in: what /update_param_batch accepts. (A hub id is a cache hit: vLLM downloaded it.)"""
+def checkpoint_files(model: str) -> list[str]:
+    """The checkpoint's safetensors files (a hub id is a cache hit: vLLM downloaded it)."""
     from huggingface_hub import snapshot_download
-    from safetensors import safe_open
     path = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
+    if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
         raise SystemExit(f"{model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
-    specs = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            specs.update({name: {"dtype": dtype, "shape": list(sf.get_slice(name).get_shape())} for name in sf.keys()})
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
-    if tied and "lm_head.weight" not in specs and "model.embed_tokens.weight" in specs:
-        specs["lm_head.weight"] = specs["model.embed_tokens.weight"]  # a trainer's state_dict has both
-    return specs, files
+    return files
 
 
 def main(args: Args) -> None:
@@ -273,10 +263,9 @@ def main(args: Args) -> None:
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        specs, files = checkpoint_specs(args.model, dtype)
-        ctx.update(engine=engine, specs=specs, dtype=dtype,
-                   tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock())
-        ctx["packed"] = await collective("sync_prepare", {k: v["shape"] for k, v in specs.items()}, files)
+        ctx.update(engine=engine, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock())
+        shapes, ctx["packed"] = await collective("sync_prepare", checkpoint_files(args.model))
+        ctx["specs"] = {name: {"dtype": dtype, "shape": shape} for name, shape in shapes.items()}  # what updates may send
         yield
         engine.shutdown()
 
@@ -292,8 +281,7 @@ def main(args: Args) -> None:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def collective(method: str, *rpc_args):
-        # vLLM honours this timeout only where the worker is a separate process; the group's own timeout
-        # (sync_timeout_s) is what really unblocks a worker, this is a backstop.
+        # a backstop: vLLM honours it only where the worker is a separate process; the group's timeout unblocks it
         return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
     @app.get("/health")
@@ -375,17 +363,13 @@ def main(args: Args) -> None:
         if not req.params or req.bucket_bytes < 0:
             raise HTTPException(400, "params must be a non-empty list and bucket_bytes >= 0")
         for p in req.params:
-            name = p.get("name")
-            if name not in specs:
-                raise HTTPException(400, f"unknown parameter {name!r}: the model has no such weight")
-            if name in seen:
-                raise HTTPException(400, f"parameter {name!r} is listed twice")
+            name, spec = p.get("name"), specs.get(p.get("name"))
+            problem = ("the model has no such weight" if spec is None else "listed twice" if name in seen else
+                       f"shape {p.get('shape')} != the model's {spec['shape']}" if list(p.get("shape", [])) != spec["shape"] else
+                       f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)" if p.get("dtype") != spec["dtype"] else None)
+            if problem:
+                raise HTTPException(400, f"parameter {name!r}: {problem}")
             seen.add(name)
-            if list(p.get("shape", [])) != specs[name]["shape"]:
-                raise HTTPException(400, f"parameter {name!r}: shape {p.get('shape')} != the model's {specs[name]['shape']}")
-            if p.get("dtype") != specs[name]["dtype"]:
-                raise HTTPException(400, f"parameter {name!r}: dtype {p.get('dtype')} != the engine's "
-                                         f"{specs[name]['dtype']} (cast on the trainer)")
         for name in seen:  # a fused layer that got q but not k and v would be loaded from uninitialised memory
             prefix, part, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
             for parts in (parts for parts in ctx["packed"].values() if part in parts):
@@ -397,15 +381,15 @@ def main(args: Args) -> None:
             t0, engine = time.perf_counter(), ctx["engine"]
             try:
                 async with ctx["lock"]:
-                    # "keep": requests stay queued, their KV cache is dropped and recomputed with the new weights
-                    # on resume; tokens sampled so far keep the version that sampled them.
-                    # (AsyncLLM.pause_generation adds a 20 ms sleep "not required for correctness": skipped)
+                    # "keep": requests stay queued; the KV and prefix caches are cleared now (no step runs until the
+                    # resume), so kept requests are recomputed with the new weights; tokens sampled so far keep the
+                    # version that sampled them. (AsyncLLM.pause_generation adds a 20 ms sleep "not required for
+                    # correctness": skipped.)
                     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
                         n, direct = await collective("sync_update", params, req.bucket_bytes, args.direct_load)
                         t2 = time.perf_counter()
-                        await engine.reset_prefix_cache()
                         state["version"] = req.version if req.version is not None else state["version"] + 1
                         await engine.update_weight_version(str(state["version"]))
                     finally:
