@@ -17,7 +17,7 @@ What this learner does, and how:
     rejected with its reason in the log; msgpack and json build plain data only: nothing queued can run code here;
   - weight sync: this learner owns one collective group with the workers of every server (world size 1 +
     number of servers; it is rank 0 and hosts the TCPStore, server k's worker is rank 1 + k). A push posts
-    /update_param_batch to every server, broadcasts each bucket once (one broadcast reaches all the servers), and
+    /update_param_batch to every server, broadcasts each tensor once (one broadcast reaches all the servers), and
     tells every server the same new version. At start, and first thing after --resume, it pushes its weights with
     a version above every server's, so records sampled by whatever the servers held before count as stale;
   - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway).
@@ -243,21 +243,6 @@ def lines(response):  # the JSON lines of a streamed answer, one at a time
     return (json.loads(x) for x in response.iter_lines() if x)
 
 
-def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
-    """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
-    bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
-    buckets, size, items = [], 0, []
-    for p in params:
-        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
-        offset = (size + 255) // 256 * 256
-        if items and offset + nbytes > bucket_bytes:
-            buckets.append((size, items))
-            size, items, offset = 0, [], 0
-        items.append((offset, nbytes))
-        size = offset + nbytes
-    return buckets + [(size, items)] if items else buckets
-
-
 def init_weight_sync(urls: list[str], device) -> dict:
     """One collective group with the workers of all servers, this learner as rank 0, outside torch.distributed's
     default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
@@ -272,47 +257,48 @@ def init_weight_sync(urls: list[str], device) -> dict:
     host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
     timeout = datetime.timedelta(seconds=300)
     world_size = 1 + len(urls)  # rank 0 = this learner, rank 1 + k = server k's worker (tensor_parallel_size 1)
+    connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size,
-                                                      "rank_offset": 1 + k}, stream=True)) for k, url in enumerate(urls)]
+    answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size, "rank_offset":
+                                                      1 + k, "connections": connections}, stream=True)) for k, url in enumerate(urls)]
     [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
     if device.type == "cuda":  # building our end completes the rendezvous of all ranks
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
     else:
-        pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
+        opts._timeout, opts._threads = timeout, 2 * connections
+        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
     for url, a in zip(urls, answers):
         if (done := next(a))["status"] != "ok":
             raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device}
 
 
-def push_weights(sync: dict, model, version: int, bucket_bytes: int = 0) -> float:
-    """Broadcast every parameter (cast to the servers' dtype) in buckets to all servers at once; they load them,
-    pausing and resuming the generation in flight, and all take the same `version`. Returns the seconds taken."""
+def push_weights(sync: dict, model, version: int) -> float:
+    """Broadcast every parameter (cast to the servers' dtype) to all servers at once, one broadcast each, all in flight
+    (up to 1 GiB of cast copies); they load them, pausing and resuming the generation in flight, and all take the same
+    `version`. Returns the seconds taken."""
     import torch
     import torch.distributed as dist
 
     t0, dtype = time.time(), getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    body = {"params": params, "version": version, "bucket_bytes": bucket_bytes}
-    answers = [lines(post(url, "/update_param_batch", body, stream=True)) for url in sync["urls"]]
+    answers = [lines(post(url, "/update_param_batch", {"params": params, "version": version}, stream=True))
+               for url in sync["urls"]]
     [next(a) for a in answers]  # "receiving": each server checked the metadata, paused generation, and waits
-    opts, i, inflight = dist.BroadcastOptions(), 0, []
+    opts, inflight, ahead = dist.BroadcastOptions(), [], 0
     opts.rootRank = 0
-    for nbytes, items in plan_buckets(params, bucket_bytes):  # one broadcast per bucket reaches every server
-        if len(items) == 1:
-            buf = named[i][1].to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)
-        else:  # packed while the previous bucket is on the wire
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=sync["device"])
-            for (offset, size), (_, p) in zip(items, named[i : i + len(items)]):
-                buf[offset : offset + size].copy_(p.to(dtype).contiguous().view(-1).view(torch.uint8))
+    for _, p in named:  # one broadcast reaches every server
+        buf = p.to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)  # bytes, as the servers receive them
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
-        if len(inflight) > 2:
+        ahead += buf.numel()
+        while ahead > 1 << 30:
+            ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
-        i += len(items)
     for _, work in inflight:
         work.wait()
     for url, a in zip(sync["urls"], answers):

@@ -322,20 +322,6 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
 
-def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
-    """The server's bucket layout (copied from vllm_sync_server.py): consecutive tensors up to
-    bucket_bytes per broadcast, a larger tensor alone, offsets 256-byte aligned."""
-    buckets, size, items = [], 0, []
-    for p in params:
-        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
-        offset = (size + 255) // 256 * 256
-        if items and offset + nbytes > bucket_bytes:
-            buckets.append((size, items))
-            size, items, offset = 0, [], 0
-        items.append((offset, nbytes))
-        size = offset + nbytes
-    return buckets + [(size, items)] if items else buckets
-
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
@@ -345,24 +331,28 @@ def init_weight_sync(url: str, device) -> dict:
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
     timeout, world_size = datetime.timedelta(seconds=300), 2  # world: this trainer + one server worker (TP 1)
+    connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    lines = (json.loads(x) for x in post(url, "/init_communicator", {"host": host, "port": port,
-                                                                      "world_size": world_size}, stream=True).iter_lines() if x)
+    body = {"host": host, "port": port, "world_size": world_size, "connections": connections}  # the server's end alike
+    lines = (json.loads(x) for x in post(url, "/init_communicator", body, stream=True).iter_lines() if x)
     next(lines)  # "joining": the server's workers are connecting to our store now
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
     else:
-        pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
+        opts._timeout, opts._threads = timeout, 2 * connections
+        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
     if (done := next(lines))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
 
-def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 0) -> Optional[dict]:
+def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
     """Call on every rank: each parameter is gathered whole by all ranks in turn (DTensor.full_tensor, an all-gather on
-    the torchrun group); rank 0, the only one with a communicator (sync), broadcasts it (or, with bucket_bytes > 0, full
-    buckets) while the next parameters are gathered: at most a few gathered parameters exist at once."""
+    the torchrun group); rank 0, the only one with a communicator (sync), broadcasts it, one broadcast per parameter,
+    while the next ones are gathered: up to 1 GiB of gathered parameters in flight."""
     import torch
     named = list(model.named_parameters())
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 (DTensor under FSDP)
@@ -372,18 +362,17 @@ def push_weights(sync: Optional[dict], model, version: int, bucket_bytes: int = 
         return None
     dtype = getattr(torch, sync["dtype"])
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version, "bucket_bytes": bucket_bytes}, stream=True)
+    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version}, stream=True)
     lines = (json.loads(x) for x in r.iter_lines() if x)
     next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
-    opts, i, inflight = torch.distributed.BroadcastOptions(), 0, []
+    opts, inflight, ahead = torch.distributed.BroadcastOptions(), [], 0
     opts.rootRank = 0
-    for nbytes, items in plan_buckets(params, bucket_bytes):
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=sync["device"])
-        for offset, size in items:
-            buf[offset : offset + size].copy_(full(named[i][1].detach()).to(dtype).contiguous().view(-1).view(torch.uint8))
-            i += 1
+    for _, p in named:
+        buf = full(p.detach()).to(dtype).contiguous().view(-1).view(torch.uint8)  # bytes, as the server receives them
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
-        if len(inflight) > 2:
+        ahead += buf.numel()
+        while ahead > 1 << 30:
+            ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     [work.wait() for _, work in inflight]
     if (done := next(lines))["status"] != "ok":

@@ -1,9 +1,8 @@
 """vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
 
-vLLM's async engine (V1) runs in this process next to the HTTP routes. The trainer is rank 0 of a collective group
-it owns; this server's workers join it. /init_communicator and /update_param_batch answer in two JSON lines: the
-first tells the trainer to enter the collective now, the second reports the result. README.md#vllm_sync_serverpy
-has the details.
+vLLM's async engine (V1) runs in this process next to the HTTP routes. The trainer is rank 0 of a collective group it
+owns; this server's workers join it. /init_communicator and /update_param_batch answer in two JSON lines: the first
+tells the trainer to enter the collective now, the second reports the result. Details: README.md#vllm_sync_serverpy
 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
@@ -15,11 +14,11 @@ import glob
 import hashlib
 import hmac
 import json
-import math
 import os
 import sys
 import time
 import uuid
+from collections import deque
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -55,54 +54,45 @@ class Args:
     """timeout of every collective; a trainer silent for longer is dropped"""
     kv_cache_memory_bytes: Optional[int] = None
     """KV cache size in bytes (handy on CPU); default: vLLM's choice"""
-    enable_prefix_caching: bool = True
-    """reuse the KV cache of shared prompt prefixes (reset after every weight update)"""
     direct_load: bool = True
     """receive pushed tensors straight into the engine's weights when the model allows (TP=1, unquantized); off: vLLM's layerwise reload"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """uvicorn log level"""
 
 
-def plan_buckets(params: list[dict], bucket_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Split tensors, in order, into broadcast buckets [(bucket_nbytes, [(offset, nbytes), ...]), ...]. Sender and
-    receiver both compute it, so the layout never travels. A bucket holds consecutive tensors up to `bucket_bytes` (a
-    larger one travels alone; 0: one broadcast per tensor); offsets are 256-byte aligned to view tensors in place."""
-    buckets, size, items = [], 0, []
-    for p in params:
-        nbytes = math.prod(p["shape"]) * {"float32": 4, "bfloat16": 2, "float16": 2}[p["dtype"]]
-        offset = (size + 255) // 256 * 256
-        if items and offset + nbytes > bucket_bytes:
-            buckets.append((size, items))
-            size, items, offset = 0, [], 0
-        items.append((offset, nbytes))
-        size = offset + nbytes
-    return buckets + [(size, items)] if items else buckets
-
-
 class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls). Method names start with `sync_` so they never collide
     with the Worker's own. Called with engine.collective_rpc between engine steps."""
 
-    def sync_init_communicator(self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float):
+    def sync_init_communicator(self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float,
+                               connections: int):
         import torch.distributed as dist
         self.sync_close_communicator()
         rank, timeout = rank_offset + self.rank, datetime.timedelta(seconds=timeout_s)
-        # A group of its own, outside init_process_group: it cannot disturb vLLM's groups, and the trainer builds
-        # its end the same way beside its torchrun group. The trainer hosts the store (rank 0).
+        # A group of its own, outside init_process_group (vLLM's groups, the trainer's torchrun group): rank 0 hosts the store
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self._sync_pg, self._sync_store = dist.ProcessGroupNCCL(store, rank, world_size, opts), store
-        else:
-            self._sync_pg, self._sync_store = dist.ProcessGroupGloo(store, rank, world_size, timeout), store
+        else:  # gloo runs successive broadcasts on `connections` TCP connections at once, each with its own I/O thread:
+            opts = dist.ProcessGroupGloo._Options()  # many in flight hide each one's latency (bench/weight_sync.py)
+            opts._timeout, opts._threads = timeout, 2 * connections
+            # vLLM pins a CPU worker's threads, and those they start, to its compute cores. The group's threads run
+            # only while the engine is paused for a push: they may use all the cores of the server (the parent's).
+            pinned = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, os.sched_getaffinity(os.getppid()))  # this thread only: its new threads inherit
+            try:
+                opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+                self._sync_pg, self._sync_store = dist.ProcessGroupGloo(store, rank, world_size, opts), store
+            finally:
+                os.sched_setaffinity(0, pinned)
         return rank
 
     def sync_close_communicator(self):
         pg, self._sync_pg, self._sync_store = getattr(self, "_sync_pg", None), None, None
-        if hasattr(pg, "abort"):  # NCCL: free the communicator at once
-            with suppress(Exception):
-                pg.abort()
+        with suppress(Exception):  # free the connections (NCCL: the communicator) at once; nothing else waits on them
+            pg is None or pg.abort()
 
     def sync_prepare(self, files: Optional[list[str]] = None) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
         """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter, or its rows in a tensor
@@ -151,44 +141,33 @@ class WeightSyncWorker:
                         self._sync_exact &= t is not None and torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu())
         return hf_shapes, dict(packed)
 
-    def sync_update(self, params: list[dict], bucket_bytes: int, direct: bool) -> tuple[int, bool]:
-        """Receive `params` from rank 0 bucket by bucket and load them into the running model. Returns (count, direct)."""
+    def sync_update(self, params: list[dict], direct: bool) -> tuple[int, bool]:
+        """Receive `params` from rank 0, one broadcast each, into the running model (paused). Returns (count, direct)."""
         import torch
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
-        opts, buckets, received = torch.distributed.BroadcastOptions(), plan_buckets(params, bucket_bytes), 0
+        opts, direct = torch.distributed.BroadcastOptions(), direct and self._sync_exact
         opts.rootRank = 0
-        direct = direct and self._sync_exact  # straight into the engine's own tensors
-        def post(b, first):  # start receiving bucket b; gloo/NCCL move it in the background
-            if direct and len(buckets[b][1]) == 1:  # a tensor alone lands in place: no buffer, no copy
-                buf = self._sync_targets[params[first]["name"]].view(-1).view(torch.uint8)  # bytes, as the trainer sends
-            else:  # a new buffer per bucket: the reload keeps views of it until their layer completes
-                buf = torch.empty(buckets[b][0], dtype=torch.uint8, device=self.device)
-            return buf, self._sync_pg.broadcast([buf], opts)
-        def arriving():  # yields (name, tensor) as buckets arrive, receiving one bucket ahead
-            nonlocal received
-            nxt = post(0, 0)
-            for b, (_, items) in enumerate(buckets):
-                buf, work = nxt
-                work.wait()
-                if b + 1 < len(buckets):
-                    nxt = post(b + 1, received + len(items))  # bucket b+1 travels while bucket b is loaded
-                for (offset, size), p in zip(items, params[received : received + len(items)]):
-                    yield p["name"], buf[offset : offset + size].view(getattr(torch, p["dtype"])).view(p["shape"])
-                received += len(items)
-        if direct:
-            try:
-                for name, t in arriving():
-                    if t.data_ptr() != (target := self._sync_targets[name]).data_ptr():  # small ones: from the buffer
-                        target.copy_(t)
-            except BaseException:  # the trainer died or stalled mid-push: the weights stay partly new until the next push
-                self.sync_close_communicator()
-                raise
-        else:
-            self.sync_reload(arriving())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return received, direct
+        def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
+            posted, ahead = deque(), 0
+            for p in params + [None]:
+                while posted and (p is None or ahead > 1 << 30):
+                    name, t, work = posted.popleft()
+                    work.wait()
+                    ahead -= 0 if direct else t.nbytes
+                    yield name, t
+                if p is not None:  # direct: straight into the engine's tensor (a row block of a fused one)
+                    t = self._sync_targets[p["name"]] if direct else torch.empty(
+                        p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)  # the reload keeps it
+                    posted.append((p["name"], t, self._sync_pg.broadcast([t.view(-1).view(torch.uint8)], opts)))  # bytes
+                    ahead += 0 if direct else t.nbytes
+        try:
+            deque(arriving(), maxlen=0) if direct else self.sync_reload(arriving())  # direct: wait for every tensor
+        except BaseException:  # the trainer died or stalled mid-push: direct, the weights stay partly new until the next
+            self.sync_close_communicator()  # push; the reload keeps a layer's old weights unless all its new ones came
+            raise
+        torch.cuda.synchronize() if self.device.type == "cuda" else None  # (GPU: report "done" only when it is)
+        return len(params), direct
 
     def sync_reload(self, arriving) -> None:
         """vLLM's layerwise reload (any model, TP, quantization): every layer waits until all its weights arrived, then
@@ -201,15 +180,12 @@ class WeightSyncWorker:
             reload.initialize_layerwise_reload(model)
             try:
                 model.load_weights(arriving)  # one call consumes the stream lazily (each call walks the module tree)
-            except BaseException:
-                # The trainer died or stalled mid-push. A layer that got only part of its weights would be
-                # finalized from uninitialised memory: forget those parts so it keeps its old weights.
-                for layer in model.modules():
+            except BaseException:  # the trainer died or stalled: a layer that got only part of its weights would be
+                for layer in model.modules():  # finalized from uninitialised memory: forget them, keep the old weights
                     info = reload.layerwise.get_layerwise_info(layer)
                     if info.can_load() and 0 < info.load_numel < (info.load_numel_total or 0):
                         info.loaded_weights.clear()
                         info.load_numel = 0
-                self.sync_close_communicator()
                 raise
             finally:
                 reload.finalize_layerwise_reload(model, self.model_config)
@@ -239,7 +215,7 @@ def main(args: Args) -> None:
     import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
     from fastapi.responses import StreamingResponse
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
     from transformers import AutoTokenizer
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -323,8 +299,8 @@ def main(args: Args) -> None:
             raise HTTPException(400, str(e))
         return {"version": state["version"], "results": results}
 
-    class InitRequest(BaseModel):
-        host: str; port: int; world_size: int; rank_offset: int = 1
+    class InitRequest(BaseModel):  # connections: gloo's (CPU), as many as the trainer's end of the group has
+        host: str; port: int; world_size: int; rank_offset: int = 1; connections: int = Field(1, ge=1, le=64)
     @app.post("/init_communicator", dependencies=[Depends(require_key)])
     async def init_communicator(req: InitRequest):
         tp, lo = args.tensor_parallel_size, req.rank_offset
@@ -339,7 +315,7 @@ def main(args: Args) -> None:
             try:
                 async with ctx["lock"]:
                     await collective("sync_init_communicator", req.host, req.port, req.world_size, lo,
-                                     args.sync_timeout_s)
+                                     args.sync_timeout_s, req.connections)
                 state["communicator"] = {**req.model_dump(exclude={"rank_offset"}), "ranks": ranks}
                 return {"status": "ok", **state["communicator"]}
             except Exception as e:
@@ -349,25 +325,21 @@ def main(args: Args) -> None:
                 state["tasks"] -= 1
         return two_lines({"status": "joining", "ranks": ranks}, asyncio.create_task(join()))
 
-    class UpdateRequest(BaseModel):  # bucket_bytes 0: each tensor alone, in place (bench/weight_sync.py chose it)
-        params: list[dict]; version: Optional[int] = None; bucket_bytes: int = 0
+    class UpdateRequest(BaseModel):  # the tensors travel in this order, one broadcast each (bench/weight_sync.py)
+        params: list[dict] = Field(min_length=1); version: Optional[int] = None
     @app.post("/update_param_batch", dependencies=[Depends(require_key)])
     async def update_param_batch(req: UpdateRequest):
-        if state["communicator"] is None:
-            raise HTTPException(409, "no communicator: POST /init_communicator first")
-        if state["updating"]:
-            raise HTTPException(409, "another weight update is running")
+        if busy := ("no communicator: POST /init_communicator first" if state["communicator"] is None else
+                    "another weight update is running" if state["updating"] else None):
+            raise HTTPException(409, busy)
         # Check everything before the collective starts: gloo checks neither dtype nor size, so a wrong spec would
         # load garbage, and a refused spec must leave both sides out of the broadcast.
         specs, seen = ctx["specs"], set()
-        if not req.params or req.bucket_bytes < 0:
-            raise HTTPException(400, "params must be a non-empty list and bucket_bytes >= 0")
         for p in req.params:
             name, spec = p.get("name"), specs.get(p.get("name"))
-            problem = ("the model has no such weight" if spec is None else "listed twice" if name in seen else
+            if problem := ("the model has no such weight" if spec is None else "listed twice" if name in seen else
                        f"shape {p.get('shape')} != the model's {spec['shape']}" if list(p.get("shape", [])) != spec["shape"] else
-                       f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)" if p.get("dtype") != spec["dtype"] else None)
-            if problem:
+                       f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)" if p.get("dtype") != spec["dtype"] else None):
                 raise HTTPException(400, f"parameter {name!r}: {problem}")
             seen.add(name)
         for name in seen:  # a fused layer that got q but not k and v would be loaded from uninitialised memory
@@ -382,13 +354,12 @@ def main(args: Args) -> None:
             try:
                 async with ctx["lock"]:
                     # "keep": requests stay queued; the KV and prefix caches are cleared now (no step runs until the
-                    # resume), so kept requests are recomputed with the new weights; tokens sampled so far keep the
-                    # version that sampled them. (AsyncLLM.pause_generation adds a 20 ms sleep "not required for
-                    # correctness": skipped.)
+                    # resume), so kept requests are recomputed with the new weights; sampled tokens keep their version.
+                    # (AsyncLLM.pause_generation adds a 20 ms sleep "not required for correctness": skipped.)
                     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
-                        n, direct = await collective("sync_update", params, req.bucket_bytes, args.direct_load)
+                        n, direct = await collective("sync_update", params, args.direct_load)
                         t2 = time.perf_counter()
                         state["version"] = req.version if req.version is not None else state["version"] + 1
                         await engine.update_weight_version(str(state["version"]))

@@ -89,34 +89,36 @@ class SyncClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pg = None
 
-    def init(self, world_size: int = 2):
+    def init(self, world_size: int = 2, connections: int = 4):
+        """Join the server's group as rank 0: gloo over `connections` TCP connections, as the server builds its end."""
         import torch.distributed as dist
 
         port = free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
                                    wait_for_workers=False)
-        r = requests.post(self.url + "/init_communicator", json={"host": "127.0.0.1", "port": port,
-                          "world_size": world_size}, headers=self.headers, stream=True, timeout=self.timeout_s)
+        r = requests.post(self.url + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size":
+                          world_size, "connections": connections}, headers=self.headers, stream=True, timeout=self.timeout_s)
         r.raise_for_status()
         lines = read_lines(r)
         assert next(lines)["status"] == "joining"
-        self.pg = dist.ProcessGroupGloo(self.store, 0, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout, opts._threads = timeout, 2 * connections
+        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+        self.pg = dist.ProcessGroupGloo(self.store, 0, world_size, opts)
         done = next(lines)
         assert done["status"] == "ok", done
         return done
 
-    def push(self, named: dict, bucket_bytes: int = 1 << 20, version: int | None = None, stop_after: int | None = None):
-        """Broadcast `named` tensors (name -> tensor). stop_after=k: die after k buckets (for tests)."""
+    def push(self, named: dict, version: int | None = None, stop_after: int | None = None):
+        """Broadcast `named` tensors (name -> tensor) in order, one broadcast each, all in flight at once.
+        stop_after=k: only the first k, then return (the caller dies mid-push, for tests)."""
         import torch
         import torch.distributed as dist
 
-        sys.path.insert(0, ROOT)
-        from vllm_sync_server import plan_buckets
-
         params = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                   for n, t in named.items()]
-        body = {"params": params, "bucket_bytes": bucket_bytes}
+        body = {"params": params}
         if version is not None:
             body["version"] = version
         r = requests.post(self.url + "/update_param_batch", json=body, headers=self.headers, stream=True,
@@ -125,16 +127,11 @@ class SyncClient:
             return r
         lines = read_lines(r)
         assert next(lines)["status"] == "receiving"
-        tensors = list(named.values())
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        i = 0
-        for b, (nbytes, items) in enumerate(plan_buckets(params, bucket_bytes)):
-            if stop_after is not None and b >= stop_after:
-                return None
-            buf = torch.zeros(nbytes, dtype=torch.uint8)
-            for offset, size in items:
-                buf[offset : offset + size].copy_(tensors[i].contiguous().view(-1).view(torch.uint8))
-                i += 1
-            self.pg.broadcast([buf], opts).wait()
+        bufs = [t.contiguous().view(-1).view(torch.uint8) for t in named.values()][:stop_after]
+        for work in [self.pg.broadcast([b], opts) for b in bufs]:
+            work.wait()
+        if stop_after is not None:
+            return None
         return next(lines)

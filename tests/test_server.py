@@ -155,7 +155,7 @@ def test_full_and_partial_push(server, hf_model):
         t.start()
         time.sleep(delay)
         finished_early = not t.is_alive()
-        done = client.push(params, bucket_bytes=64 << 10)
+        done = client.push(params)
         t.join()
         assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
         comps = inflight["results"][0]["completions"]
@@ -179,7 +179,7 @@ def test_full_and_partial_push(server, hf_model):
             p = hf_model.get_parameter(layer + name)
             p.mul_(-1.5)
             part[layer + name] = p.detach()
-    done = client.push(part, bucket_bytes=0, version=41)  # bucket_bytes=0: one broadcast per tensor
+    done = client.push(part, version=41)
     assert done["status"] == "ok" and done["version"] == 41 and done["num_params"] == 3 and done["direct"] == DIRECT[server], done
     assert_checksums(server, state_dict_with_tied(hf_model))
     assert_logprobs_match(server, hf_model)
@@ -203,6 +203,9 @@ def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
         r = client.push(named)
         assert r.status_code == 400 and name in r.json()["detail"], (name, r.text)
         assert time.time() - t0 < 5  # refused at once, nothing waits on a collective
+    r = requests.post(server + "/init_communicator", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"host": "127.0.0.1", "port": 1, "world_size": 2, "connections": 0})
+    assert r.status_code == 422 and "connections" in r.text, r.text  # (pydantic's check: 1..64)
     assert requests.get(server + "/health").ok
     assert requests.get(server + "/runtime_version").json()["updating"] is False
     # the communicator is still usable after refusals
@@ -220,7 +223,7 @@ c.init()
 sd = load_file(sys.argv[4])
 named = {k: torch.randn_like(v) for k, v in sd.items()}
 print("pushing", flush=True)
-c.push(named, bucket_bytes=16 << 10, stop_after=3)  # three buckets, then the process dies mid-push
+c.push(named, stop_after=3)  # three tensors, then the process dies mid-push
 import os; os._exit(1)
 """
 
@@ -236,9 +239,9 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
     assert time.time() - t0 < SYNC_TIMEOUT_S + 30
     st = requests.get(server + "/runtime_version").json()
     assert st["communicator"] is None and st["updating"] is False and "update_param_batch" in st["last_error"]
-    # ... and accepts a new communicator and a full push that lands bit for bit
+    # ... and accepts a new communicator (here gloo's plain single connection) and a full push that lands bit for bit
     client = SyncClient(server, api_key=KEY)
-    client.init()
+    client.init(connections=1)
     done = client.push({k: v.detach() for k, v in hf_model.named_parameters()})
     assert done["status"] == "ok", done
     assert_checksums(server, state_dict_with_tied(hf_model))
