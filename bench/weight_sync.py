@@ -14,7 +14,7 @@
      so those go as one request of 3 or 2 broadcasts: slightly kinder to this baseline than one per tensor.
 
 Model: a random Qwen2 of about 300 MB (fp32) in 291 tensors, built locally (no hub).
-Run: .venv/bin/python bench/weight_sync.py   (CPU, about 3 minutes)
+Run: .venv/bin/python bench/weight_sync.py   (CPU, about 5 minutes)
 """
 
 import datetime
