@@ -151,16 +151,16 @@ class WeightSyncWorker:
         def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
             posted, ahead = deque(), 0
             for p in params + [None]:
-                while posted and (p is None or ahead > 1 << 30):
+                while posted and (p is None or (not direct and ahead > 1 << 30)):  # (direct: no new memory)
                     name, t, work = posted.popleft()
                     work.wait()
-                    ahead -= 0 if direct else t.nbytes
+                    ahead -= t.nbytes
                     yield name, t
                 if p is not None:  # direct: straight into the engine's tensor (a row block of a fused one)
                     t = self._sync_targets[p["name"]] if direct else torch.empty(
                         p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)  # the reload keeps it
                     posted.append((p["name"], t, self._sync_pg.broadcast([t.view(-1).view(torch.uint8)], opts)))  # bytes
-                    ahead += 0 if direct else t.nbytes
+                    ahead += t.nbytes
         try:
             deque(arriving(), maxlen=0) if direct else self.sync_reload(arriving())  # direct: wait for every tensor
         except BaseException:  # the trainer died or stalled mid-push: direct, the weights stay partly new until the next

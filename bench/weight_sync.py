@@ -127,23 +127,22 @@ def raw_transfer(pg, way, bufs, staging=None, rank=0):
                 buckets, size = buckets + [[]], 0
             buckets[-1].append((size, b))
             size += b.numel()
-        works = [None, None]
+        works = {}
+
+        def finish(i):  # bucket i's broadcast is done: the receiver unpacks it, its staging buffer is free again
+            works.pop(i).wait()
+            for off, b in buckets[i] if rank == 1 else []:
+                b.copy_(staging[i % 2][off : off + b.numel()])
+
         for i, bucket in enumerate(buckets):
+            if i >= 2:
+                finish(i - 2)
             buf, nbytes = staging[i % 2], bucket[-1][0] + bucket[-1][1].numel()
-            if works[i % 2] is not None:
-                works[i % 2].wait()
-                if rank == 1:  # unpack the bucket that arrived two steps ago
-                    for off, b in buckets[i - 2]:
-                        b.copy_(buf[off : off + b.numel()])
-            if rank == 0:
-                for off, b in bucket:
-                    buf[off : off + b.numel()].copy_(b)
-            works[i % 2] = pg.broadcast([buf[:nbytes]], opts)
-        for i in range(max(0, len(buckets) - 2), len(buckets)):
-            works[i % 2].wait()
-            if rank == 1:
-                for off, b in buckets[i]:
-                    b.copy_(staging[i % 2][off : off + b.numel()])
+            for off, b in bucket if rank == 0 else []:
+                buf[off : off + b.numel()].copy_(b)
+            works[i] = pg.broadcast([buf[:nbytes]], opts)
+        for i in sorted(works):
+            finish(i)
     pg.broadcast([torch.zeros(1)], opts).wait()
 
 
