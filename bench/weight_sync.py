@@ -195,8 +195,8 @@ if __name__ == "__main__":
     times, ratios = {}, {}
 
     def clock(label, fn, keep=True):
-        # vLLM's engine core and worker busy-wait (sched_yield) for 1 s after each message they read; on 2 cores that
-        # slows whatever runs next. Start every measurement after they went idle, as a trainer's step leaves them.
+        # vLLM's engine core (outside the server's sync_ RPCs) and worker busy-wait (sched_yield) for 1 s after each
+        # message they read; on 2 cores that slows whatever runs next. Start every measurement after they went idle.
         time.sleep(1.2)
         t0 = time.perf_counter()
         fn()
