@@ -9,11 +9,9 @@ tells the trainer to enter the collective now, the second reports the result. De
 """
 
 import asyncio, datetime, glob, hashlib, hmac, json, os, sys, time, uuid
-from collections import deque
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Literal, Optional
-# torch, vLLM and the web stack are imported in main and in the worker's methods: --help stays instant
+from typing import Literal, Optional  # torch, vLLM, the web stack: imported in main and the worker (fast --help)
 
 
 @dataclass
@@ -119,9 +117,8 @@ class WeightSyncWorker:
                             self._sync_targets.update(zip(parts, torch.split(t.data[: sum(sizes)], sizes)))
             if "lm_head.weight" not in self._sync_targets and "model.embed_tokens.weight" in self._sync_targets:
                 self._sync_targets["lm_head.weight"] = self._sync_targets["model.embed_tokens.weight"]  # tied
-            # Writing a pushed tensor straight into its target is right only if vLLM's loaders copy the checkpoint's
-            # tensors unchanged: no TP shards, quantization or reordering. Check that on what vLLM loaded (layer 0 and
-            # the tensors outside the layers); a model that fails takes its pushes through vLLM's layerwise reload.
+            # A push may go straight into these targets only if vLLM's loaders copy the checkpoint unchanged (no TP shards,
+            # quantization, reordering): checked on layer 0 and the non-layer tensors; else vLLM's layerwise reload.
             if files is not None:  # (at start, while the weights are still the checkpoint's)
                 self._sync_exact = len(self._sync_targets) == len(hf_shapes)
             for f in files or []:
@@ -139,10 +136,10 @@ class WeightSyncWorker:
         opts, direct = torch.distributed.BroadcastOptions(), direct and self._sync_exact
         opts.rootRank = 0
         def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
-            posted, ahead = deque(), 0
+            posted, ahead = [], 0
             for p in params + [None]:
                 while posted and (p is None or (not direct and ahead > 1 << 30)):  # (direct: no new memory)
-                    name, t, work = posted.popleft()
+                    name, t, work = posted.pop(0)
                     work.wait()
                     ahead -= t.nbytes
                     yield name, t
@@ -152,7 +149,7 @@ class WeightSyncWorker:
                     posted.append((p["name"], t, self._sync_pg.broadcast([t.view(-1).view(torch.uint8)], opts)))  # bytes
                     ahead += t.nbytes
         try:
-            deque(arriving(), maxlen=0) if direct else self.sync_reload(arriving())  # direct: wait for every tensor
+            list(arriving()) if direct else self.sync_reload(arriving())  # direct: wait for every tensor
         except BaseException:  # the trainer died or stalled mid-push: direct, the weights stay partly new until the next
             self.sync_close_communicator()  # push; the reload keeps a layer's old weights unless all its new ones came
             raise
@@ -225,7 +222,7 @@ def main(args: Args) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
     sys.path.insert(0, here := os.path.dirname(os.path.abspath(__file__)))  # vLLM's processes import this file by name
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    state, ctx = {"version": 0, "communicator": None, "updating": False, "tasks": 0, "last_error": None}, {}
+    state, ctx = {"version": 0, "communicator": None, "updating": False, "tasks": 0, "last_error": None, "generating": 0}, {}
 
     @asynccontextmanager
     async def lifespan(app):  # the engine needs a running event loop, so it starts here
@@ -241,7 +238,9 @@ def main(args: Args) -> None:
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
         dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        ctx.update(engine=engine, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock())
+        ctx.update(engine=engine, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock(),
+                   gate=asyncio.Event())  # open (set) but while a push goes into an idle engine (update_param_batch)
+        ctx["gate"].set()
         path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
         if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
@@ -254,13 +253,11 @@ def main(args: Args) -> None:
     def require_key(request: Request) -> None:  # a dependency: runs before the body is even parsed
         if args.api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {args.api_key}"):
             raise HTTPException(401, "this route needs the header 'Authorization: Bearer <api key>'")
-
     def two_lines(first: dict, task: asyncio.Task) -> StreamingResponse:
         async def lines():
             yield json.dumps(first) + "\n"  # at once: "go ahead with the collective"
             yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
         return StreamingResponse(lines(), media_type="application/x-ndjson")
-
     async def collective(method: str, *rpc_args):  # the RPC's timeout is a backstop; the group's own ends a receive
         return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
@@ -292,15 +289,18 @@ def main(args: Args) -> None:
                     "versions": sorted({s["version"] for s in spans}), "version_spans": spans}
         async def one(i: int, ids: list[int]):
             params = SamplingParams(**req.model_dump(exclude={"prompts", "messages", "seed"}), logprobs=0,
-                                    seed=None if req.seed is None else req.seed + i,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
+                                    seed=None if req.seed is None else req.seed + i, output_kind=RequestOutputKind.FINAL_ONLY)
             async for final in ctx["engine"].generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
                 pass  # FINAL_ONLY: a single output, once the request is done
             return {"prompt_token_ids": ids, "completions": [completion(c) for c in final.outputs]}
+        await ctx["gate"].wait()
+        state["generating"] += 1
         try:
             results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
         except ValueError as e:  # vLLM's own checks: prompt too long, bad sampling parameters
             raise HTTPException(400, str(e))
+        finally:
+            state["generating"] -= 1
         return {"version": state["version"], "results": results}
 
     class InitRequest(BaseModel):  # connections: gloo's (CPU), as many as the trainer's end of the group has
@@ -357,20 +357,20 @@ def main(args: Args) -> None:
             t0, engine = time.perf_counter(), ctx["engine"]
             try:
                 async with ctx["lock"]:
-                    # "keep": requests stay queued; the KV and prefix caches are cleared now (no step runs until the
-                    # resume), so kept requests are recomputed with the new weights; sampled tokens keep their version.
-                    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-                    t1 = time.perf_counter()
+                    # Requests in flight: pause with "keep"; they stay queued, their KV is cleared and recomputed with
+                    # the new weights on resume. None: /generate holds new ones at its gate, and as the RPC runs in the
+                    # engine's loop between steps, no step can run meanwhile: vLLM's pause (3 RPCs to the worker) is skipped.
+                    idle = state["generating"] == 0
+                    ctx["gate"].clear() if idle else await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     try:
                         n, direct = await collective("sync_update", params, args.direct_load)
-                        t2 = time.perf_counter()
                         state["version"] = req.version if req.version is not None else state["version"] + 1
                         await engine.update_weight_version(str(state["version"]))
-                    finally:
-                        await engine.resume_generation()
-                return {"status": "ok", "version": state["version"], "num_params": n, "direct": direct,
-                        "seconds": round(time.perf_counter() - t0, 4), "pause_seconds": round(t1 - t0, 4),
-                        "receive_load_seconds": round(t2 - t1, 4)}
+                    finally:  # idle: the cached KV of a prompt prefix was computed by the old weights
+                        await (engine.reset_prefix_cache() if idle else engine.resume_generation())
+                        ctx["gate"].set()
+                return {"status": "ok", "version": state["version"], "num_params": n, "direct": direct, "paused": not idle,
+                        "seconds": round(time.perf_counter() - t0, 4)}
             except Exception as e:
                 state["communicator"], state["last_error"] = None, f"update_param_batch: {e}"
                 return {"status": "error", "error": state["last_error"]}

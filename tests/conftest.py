@@ -110,9 +110,10 @@ class SyncClient:
         assert done["status"] == "ok", done
         return done
 
-    def push(self, named: dict, version: int | None = None, stop_after: int | None = None):
+    def push(self, named: dict, version: int | None = None, stop_after: int | None = None, before_broadcast=None):
         """Broadcast `named` tensors (name -> tensor) in order, one broadcast each, all in flight at once.
-        stop_after=k: only the first k, then return (the caller dies mid-push, for tests)."""
+        stop_after=k: only the first k, then return (the caller dies mid-push, for tests). before_broadcast: called
+        once the server has accepted the push, before the first broadcast (a test acts while the server waits)."""
         import torch
         import torch.distributed as dist
 
@@ -127,6 +128,8 @@ class SyncClient:
             return r
         lines = read_lines(r)
         assert next(lines)["status"] == "receiving"
+        if before_broadcast is not None:
+            before_broadcast()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         bufs = [t.contiguous().view(-1).view(torch.uint8) for t in named.values()][:stop_after]

@@ -161,6 +161,7 @@ def test_full_and_partial_push(server, hf_model):
         comps = inflight["results"][0]["completions"]
         if not finished_early and all(len(c["versions"]) == 2 for c in comps):
             break
+    assert done["paused"], done  # requests were in the engine: vLLM's pause ran
     v = done["version"]
     assert requests.get(server + "/runtime_version").json()["version"] == v
     assert_checksums(server, new)
@@ -185,6 +186,39 @@ def test_full_and_partial_push(server, hf_model):
     assert_logprobs_match(server, hf_model)
     out = generate(server, prompts=[[1, 2]], max_tokens=3)
     assert out["version"] == 41 and out["results"][0]["completions"][0]["versions"] == [41]
+
+
+def test_a_request_sent_during_a_push_into_an_idle_engine_waits_for_the_new_weights(server, hf_model):
+    """An idle engine takes a push without vLLM's pause: /generate holds a request that arrives meanwhile until the new
+    weights, their version and a clean prefix cache are all in place. Without the hold, vLLM would add the request and
+    run its first step as soon as the receive ends, labelled with the old version, before the server could set the
+    new one."""
+    client = SyncClient(server, api_key=KEY)
+    client.init()
+    with torch.no_grad():
+        for v in hf_model.parameters():
+            v.mul_(0.9)
+    params = {k: v.detach() for k, v in hf_model.named_parameters()}
+    before = requests.get(server + "/runtime_version").json()["version"]
+    prompt = [[(7 * i) % 300 + 3 for i in range(300)]]  # several KV blocks long
+    generate(server, prompts=prompt, max_tokens=2)  # its KV is now in the prefix cache (old weights)
+    out, threads = {}, []
+
+    def during():  # the server waits for the broadcasts: send a request, give it time to reach the engine
+        threads.append(threading.Thread(target=lambda: out.update(generate(server, prompts=prompt, max_tokens=6, seed=5))))
+        threads[0].start()
+        time.sleep(1.0)
+        out["waiting"] = threads[0].is_alive()
+
+    done = client.push(params, before_broadcast=during)
+    threads[0].join()
+    assert done["status"] == "ok" and done["paused"] is False and done["version"] == before + 1, done
+    assert out["waiting"]
+    comp = out["results"][0]["completions"][0]
+    assert comp["versions"] == [before + 1], comp["version_spans"]  # every token from the new weights
+    assert_checksums(server, state_dict_with_tied(hf_model))
+    expected = hf_logprobs(hf_model, prompt[0], comp["token_ids"])  # the prefix was computed again: new weights
+    assert torch.allclose(torch.tensor(comp["logprobs"]), expected, atol=2e-4), (comp["logprobs"], expected)
 
 
 def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
