@@ -129,10 +129,11 @@ class WeightSyncWorker:
         return hf_shapes, dict(packed)
 
     def sync_update(self, params: list[dict], direct: bool) -> tuple[int, bool]:
-        """Receive `params` from rank 0, one broadcast each, into the running model (paused). Returns (count, direct)."""
+        """Receive `params` from rank 0, one broadcast each, into the model (no engine step runs meanwhile)."""
         import torch
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
+        torch.cuda.synchronize() if self.device.type == "cuda" else None  # an earlier step's kernels may still read the weights
         opts, direct = torch.distributed.BroadcastOptions(), direct and self._sync_exact
         opts.rootRank = 0
         def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
@@ -357,9 +358,8 @@ def main(args: Args) -> None:
             t0, engine = time.perf_counter(), ctx["engine"]
             try:
                 async with ctx["lock"]:
-                    # Requests in flight: pause with "keep"; they stay queued, their KV is cleared and recomputed with
-                    # the new weights on resume. None: /generate holds new ones at its gate, and as the RPC runs in the
-                    # engine's loop between steps, no step can run meanwhile: vLLM's pause (3 RPCs to the worker) is skipped.
+                    # Requests in flight: vLLM's pause ("keep": queued, KV cleared, recomputed with the new weights on resume).
+                    # None: /generate holds new ones at its gate, and the RPC runs in the engine's loop between steps.
                     idle = state["generating"] == 0
                     ctx["gate"].clear() if idle else await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
                     try:
