@@ -8,7 +8,7 @@ tells the trainer to enter the collective now, the second reports the result. De
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
 """
 
-import asyncio, datetime, glob, hashlib, hmac, json, os, sys, time, uuid
+import asyncio, datetime, glob, hashlib, hmac, json, os, socket, sys, time, uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal, Optional  # torch, vLLM, the web stack: imported in main and the worker (fast --help)
@@ -134,8 +134,7 @@ class WeightSyncWorker:
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
         torch.cuda.synchronize() if self.device.type == "cuda" else None  # an earlier step's kernels may still read the weights
-        opts, direct = torch.distributed.BroadcastOptions(), direct and self._sync_exact
-        opts.rootRank = 0
+        direct = direct and self._sync_exact
         def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
             posted, ahead = [], 0
             for p in params + [None]:
@@ -147,7 +146,7 @@ class WeightSyncWorker:
                 if p is not None:  # direct: straight into the engine's tensor (a row block of a fused one)
                     t = self._sync_targets[p["name"]] if direct else torch.empty(
                         p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)  # the reload keeps it
-                    posted.append((p["name"], t, self._sync_pg.broadcast([t.view(-1).view(torch.uint8)], opts)))  # bytes
+                    posted.append((p["name"], t, self._sync_pg.broadcast(t.view(-1).view(torch.uint8), 0)))  # bytes
                     ahead += t.nbytes
         try:
             list(arriving()) if direct else self.sync_reload(arriving())  # direct: wait for every tensor
@@ -210,6 +209,9 @@ def main(args: Args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can replace the "
               "model's weights", file=sys.stderr, flush=True)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)  # the port is taken now, before the
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # model loads, as vLLM's own server does: none of vLLM's
+    sock.bind((args.host, args.port))  # processes can pick it meanwhile, and a busy port fails here, at once
     import torch
     import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
@@ -238,15 +240,14 @@ def main(args: Args) -> None:
             engine_args.distributed_executor_backend = "vllm_sync_server.QuietExecutor"  # (vLLM: "mp" on CPU)
         engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
         await engine.update_weight_version("0")
-        dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        ctx.update(engine=engine, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(args.model), lock=asyncio.Lock(),
-                   gate=asyncio.Event())  # open (set) but while a push goes into an idle engine (update_param_batch)
-        ctx["gate"].set()
+        ctx.update(engine=engine, dtype=str(engine.vllm_config.model_config.dtype).removeprefix("torch."), lock=asyncio.Lock(),
+                   tokenizer=AutoTokenizer.from_pretrained(args.model), gate=asyncio.Event())  # gate: open (set) but while
+        ctx["gate"].set()  # a push goes into an idle engine (update_param_batch)
         path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
         if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
         shapes, ctx["packed"] = await collective("sync_prepare", files)
-        ctx["specs"] = {name: {"dtype": dtype, "shape": shape} for name, shape in shapes.items()}  # what updates may send
+        ctx["specs"] = {name: {"dtype": ctx["dtype"], "shape": shape} for name, shape in shapes.items()}  # what updates may send
         yield
         engine.shutdown()
 
@@ -314,9 +315,8 @@ def main(args: Args) -> None:
                                      f"server's {tp} worker(s)")
         if state["updating"]:
             raise HTTPException(409, "a weight update is running")
-        ranks = list(range(lo, lo + tp))
+        ranks, state["tasks"] = list(range(lo, lo + tp)), state["tasks"] + 1
         async def join():
-            state["tasks"] += 1
             try:
                 async with ctx["lock"]:
                     await collective("sync_init_communicator", req.host, req.port, req.world_size, lo,
@@ -392,7 +392,7 @@ def main(args: Args) -> None:
         async with ctx["lock"]:  # not during an update
             return {"version": state["version"], "checksums": await collective("sync_checksums")}
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

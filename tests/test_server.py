@@ -4,6 +4,7 @@ One server (started with --api-key, so every control call below carries the key)
 this module, in order; each test leaves it healthy for the next."""
 
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -344,3 +345,16 @@ def test_help_is_fast_and_non_loopback_warns(tiny_model):
         assert "WARNING: binding 0.0.0.0 without --api-key" in proc.stderr.readline()
     finally:
         stop_server(proc)
+
+
+def test_a_busy_port_fails_before_anything_loads(tiny_model):
+    """The server takes its port before it imports torch or starts vLLM: on a port another process listens on it exits
+    at once with the socket's error, instead of after the model loaded (or losing the port to one of vLLM's own)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model,
+                            "--port", str(busy.getsockname()[1])], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "OSError: [Errno 98] Address already in use" in r.stderr, r.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "vllm" not in imported
