@@ -5,6 +5,7 @@ import datetime
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,26 @@ PY = sys.executable
 from tiny_model import build_tiny_model  # noqa: E402
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. The processes the tests start (vLLM's engines, gloo, every
+    outgoing connection) take their own ports from that range, so none of them can take this one in the seconds
+    before the process it is meant for binds it (a server bound too late failed a CI run)."""
+    lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, lo) if lo > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _GIVEN:  # never the same port twice in one run
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no free port")
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +50,17 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def start_server(model: str, log_path: str, *extra: str, port: int | None = None, timeout: float = 240):
-    """Start vllm_sync_server.py on a free port and wait for /health. Returns (proc, url)."""
-    port = port or free_port()
+    """Start vllm_sync_server.py on a free port and wait for /health. Returns (proc, url). Should another process take
+    the free port first (the server then fails at once, on its bind), it tries again on another one."""
+    for attempt in range(3):
+        try:
+            return _start_server(model, log_path, *extra, port=port or free_port(), timeout=timeout)
+        except RuntimeError as e:
+            if port or attempt == 2 or "address already in use" not in str(e).lower():
+                raise
+
+
+def _start_server(model: str, log_path: str, *extra: str, port: int, timeout: float):
     cmd = [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
            "--max-model-len", "1024", *extra]
