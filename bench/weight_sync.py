@@ -25,7 +25,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from conftest import start_server, stop_server  # noqa: E402
+from conftest import free_port, start_server, stop_server  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 REPEATS = 9
@@ -50,12 +49,6 @@ SHAPES = {  # build_tiny_model's arguments
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lines(resp):
@@ -131,23 +124,24 @@ def raw_transfer(pg, way, bufs, staging=None, rank=0):
         for work in [pg.broadcast([b], opts) for b in bufs]:
             work.wait()
     else:
-        buckets, size = [], PACKED  # consecutive tensors up to PACKED bytes; a larger one alone, not copied
+        buckets, size = [], PACKED  # consecutive tensors up to PACKED bytes; a larger one alone
         for b in bufs:
-            if b.numel() > PACKED or size + b.numel() > PACKED:
+            if size + b.numel() > PACKED:
                 buckets, size = buckets + [[]], 0
             buckets[-1].append((size, b))
-            size = PACKED if b.numel() > PACKED else size + b.numel()
+            size += b.numel()
+        alone = [bucket[0][1].numel() > PACKED for bucket in buckets]  # too big to stage: broadcast in place
         works = {}
 
         def finish(i):  # bucket i's broadcast is done: the receiver unpacks it, its staging buffer is free again
             works.pop(i).wait()
-            for off, b in buckets[i] if rank == 1 and buckets[i][0][1].numel() <= PACKED else []:
+            for off, b in buckets[i] if rank == 1 and not alone[i] else []:
                 b.copy_(staging[i % 2][off : off + b.numel()])
 
         for i, bucket in enumerate(buckets):
             if i >= 2:
                 finish(i - 2)
-            if bucket[0][1].numel() > PACKED:
+            if alone[i]:
                 works[i] = pg.broadcast([bucket[0][1]], opts)
                 continue
             buf, nbytes = staging[i % 2], bucket[-1][0] + bucket[-1][1].numel()
@@ -215,7 +209,8 @@ def main(shape: str, dtype: str, tmp: str) -> None:
         return time.perf_counter() - t0
 
     for mode, flags in (("direct", []), ("layerwise reload", ["--no-direct-load"])):
-        proc, url = start_server(model_dir, os.path.join(tmp, f"server-{mode}.log"), "--max-num-seqs", "8", "--dtype", dtype, *flags)
+        proc, url = start_server(model_dir, os.path.join(tmp, f"server-{mode}.log"), "--max-num-seqs", "8",
+                                 "--dtype", dtype, *flags)
         try:
             pg, store = make_group(url)
             assert push(url, pg, named)["direct"] == (mode == "direct"), "the server did not take this load path"
