@@ -43,6 +43,8 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
   version_min           int    oldest policy version that sampled a token of this completion
   version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
                                version - version_max
+  temperature           float  optional, 1.0 when absent: the sampling temperature the logprobs are under; the
+                               learner refuses a record sampled at another temperature than its --temperature
   optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
 
   python pipeline_actor.py --redis-url redis://localhost:6379/0 --queue-key gsm8k_rollouts \\
@@ -88,7 +90,7 @@ class Args:
     concurrency: int = 16
     """generation requests (groups) in flight, over all servers"""
     temperature: float = 1.0
-    """sampling temperature"""
+    """sampling temperature (written into every record: the learner's --temperature must equal it)"""
     max_completion_tokens: int = 512
     """maximum new tokens per completion"""
     scale_rewards: bool = True
@@ -393,7 +395,7 @@ if __name__ == "__main__":
             records.append(msgpack.packb({
                 "schema": 1, "id": f"{actor_id}/{g}/{i}", "group_id": f"{actor_id}/{g}",
                 "prompt_token_ids": res["prompt_token_ids"], "completion_token_ids": c["token_ids"],
-                "logprobs": c["logprobs"], "reward": gr.reward, "advantage": adv,
+                "logprobs": c["logprobs"], "temperature": args.temperature, "reward": gr.reward, "advantage": adv,
                 "version_min": min(versions), "version_max": max(versions), "text": c["text"], "correct": gr.correct,
                 "parse_error": gr.parse_error, "finish_reason": c["finish_reason"], "actor": actor_id, "time": time.time()}))
         with_retries("RPUSH", where, lambda: push(records))  # blocks (and retries) while Redis is down

@@ -35,6 +35,8 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
   version_min           int    oldest policy version that sampled a token of this completion
   version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
                                version - version_max
+  temperature           float  optional, 1.0 when absent: the sampling temperature the logprobs are under; the
+                               learner refuses a record sampled at another temperature than its --temperature
   optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
 
   python pipeline_learner.py --model Qwen/Qwen2.5-0.5B-Instruct --redis-url redis://localhost:6379/0 \\
@@ -73,6 +75,9 @@ class Args:
     """records (completions) per step"""
     max_lag: int = 2
     """drop records sampled more than this many versions before the learner's current version"""
+    temperature: float = 1.0
+    """sampling temperature of the actors (records sampled at another one are refused): the logprobs of the loss are
+    those of softmax(logits / temperature), the policy that sampled"""
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
@@ -111,8 +116,9 @@ FIELDS = {"schema": int, "id": str, "group_id": str, "prompt_token_ids": list, "
           "logprobs": list, "reward": float, "advantage": float, "version_min": int, "version_max": int}
 
 
-def decode_record(raw: bytes, vocab_size: int) -> tuple[Optional[dict], Optional[str]]:
-    """A queue entry -> (record, None), or (None, why it is rejected). JSON if it starts with '{', else msgpack."""
+def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tuple[Optional[dict], Optional[str]]:
+    """A queue entry -> (record, None), or (None, why it is rejected). JSON if it starts with '{', else msgpack.
+    `temperature`: the learner's; a record's logprobs must be under the same one (1.0 when the record has none)."""
     import msgpack
 
     try:
@@ -137,6 +143,10 @@ def decode_record(raw: bytes, vocab_size: int) -> tuple[Optional[dict], Optional
         return None, "logprobs must be finite and <= 0"
     if not 0 <= rec["version_min"] <= rec["version_max"]:
         return None, f"versions {rec['version_min']}..{rec['version_max']}"
+    sampled_at = rec.get("temperature", 1.0)  # absent: the record format's default
+    if type(sampled_at) not in (int, float) or sampled_at != temperature:
+        told = f"temperature {sampled_at!r}" if "temperature" in rec else "no temperature field (so 1.0)"
+        return None, f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's"
     return rec, None
 
 
@@ -177,10 +187,12 @@ def policy_loss(logprobs, sampling_logprobs, advantages, mask, loss="ppo", clip_
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
 
 
-def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
-    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into [B, T-1]),
-    without a [B, T, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in
-    backward (checkpoint), so at most one [chunk, V] block of logits is alive. (Copied from grpo_gsm8k.py.)"""
+def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
+    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into [B, T-1]) under
+    the sampling policy softmax(logits / temperature), the one vLLM sampled from and reports logprobs of: at another
+    temperature the importance ratio pi / mu would compare two different policies. No [B, T, V] fp32 log_softmax: the
+    lm_head runs on `chunk` positions at a time and is recomputed in backward (checkpoint), so at most one [chunk, V]
+    block of logits is alive. (Copied from grpo_gsm8k.py.)"""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -189,7 +201,7 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 12
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
 
     def block(h_c, t_c):
-        logits = model.lm_head(h_c).float()  # [chunk, V]
+        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
     return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
@@ -370,7 +382,7 @@ if __name__ == "__main__":
     vocab_size = model.get_input_embeddings().num_embeddings
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     if load_from != args.model:
-        state = torch.load(os.path.join(load_from, "trainer_state.pt"), weights_only=True)
+        state = torch.load(os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=True)  # any device layout
         optimizer.load_state_dict(state["optimizer"])
         step, version, counts = state["step"], state["version"], Counter(state["counts"])
         torch.set_rng_state(state["torch_rng"])
@@ -405,7 +417,7 @@ if __name__ == "__main__":
             more = args.batch_size - len(batch) - 1
             raws = [item[1]] + ((with_retries("LPOP", where, lambda: r.lpop(args.queue_key, more)) or []) if more else [])
             for raw in raws:
-                rec, why = decode_record(raw, vocab_size)
+                rec, why = decode_record(raw, vocab_size, args.temperature)
                 if rec is not None and rec["version_max"] > version:
                     rec, why = None, f"version {rec['version_max']} is ahead of this learner's {version}"
                 if rec is None:
@@ -432,7 +444,8 @@ if __name__ == "__main__":
         for idx in pack_micro_batches([len(s) for s in seqs], args.micro_token_budget):
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id or 0, device)
             with autocast:
-                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(model, ids, attn, at).float())  # [b, Tc]
+                flat = token_logprobs(model, ids, attn, at, args.temperature)  # [N], the sampler's policy
+                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
             mu = torch.tensor([batch[i]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
                               dtype=torch.float32, device=device)  # [b, Tc]: the sampling policy's logprobs
             fresh = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)[:, None] * mask  # [b, Tc]

@@ -164,3 +164,35 @@ class SyncClient:
         if stop_after is not None:
             return None
         return next(lines)
+
+
+def logprob_gap(module, url: str, model_path: str, temperature: float, seed: int = 0) -> float:
+    """The largest |trainer logprob - server logprob| over the tokens the server samples at `temperature`, the trainer
+    side computed the way `module` (a training script) trains: its micro_batch packing and its chunked token_logprobs
+    at that temperature. The model's weights are pushed first with the test-side client (another test may have left
+    other weights in the server)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    client = SyncClient(url)
+    client.init()
+    done = client.push({n: p.detach() for n, p in model.named_parameters()})
+    assert done["status"] == "ok", done
+    prompts = [[5, 17, 33, 2, 91], [44, 8, 120, 7, 7, 7, 7, 9], [3]]
+    body = {"prompts": prompts, "n": 4, "temperature": temperature, "max_tokens": 24, "seed": seed}
+    results = requests.post(url + "/generate", json=body, timeout=120).json()["results"]
+    seqs, n_prompt, server_lp = [], [], []
+    for p, res in zip(prompts, results):
+        for c in res["completions"]:
+            seqs.append(p + c["token_ids"])
+            n_prompt.append(len(p))
+            server_lp.append(c["logprobs"])
+    worst = 0.0
+    for idx in module.pack_micro_batches([len(s) for s in seqs], 64):  # a small budget: several micro-batches
+        ids, attn, mask, at = module.micro_batch(seqs, n_prompt, idx, 0, torch.device("cpu"))
+        with torch.no_grad():  # small chunks: several lm_head blocks
+            flat = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
+        want = torch.tensor([x for i in idx for x in server_lp[i]])
+        worst = max(worst, (flat - want).abs().max().item())
+    return worst
