@@ -284,8 +284,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
             stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
     return loss
 
-def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) without a [B, T, V] fp32
+def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
+    softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed logprobs):
+    at any other temperature the ratio, the TIS weight and the gradient would belong to another policy. No [B, T, V] fp32
     log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -293,7 +295,7 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 12
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
     def block(h_c, t_c):
-        logits = model.lm_head(h_c).float()  # [chunk, V]
+        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
     return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
                       for i in range(0, h.shape[0], chunk)])  # [N]
@@ -399,10 +401,29 @@ def verify_weights(sync: dict, model) -> int:
         raise RuntimeError(f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
     return len(theirs)
 
-def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seed: int):
-    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt."""
+# Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
+# requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
+# of prompt i and sample j - 1 of prompt i + 1 draw the same numbers (and the next step reuses them), so a policy that
+# earns no reward keeps drawing the same completions. Spacing the requests by the group size gives every sample of a
+# run its own stream, and the run stays reproducible from --seed.
+SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
+
+def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
+    """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
+    its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
+    return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+
+def eval_seed(run_seed: int, problem_index: int) -> int:
+    """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
+    two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
+    return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
+
+def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
+             seeds: list[int]):
+    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns
+    one result per prompt."""
     def one(i):
-        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i}
+        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
         return post(url, "/generate", body).json()["results"][0]
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -435,6 +456,8 @@ def load_split(dataset: str, split: str) -> list[dict]:
 if __name__ == "__main__":
     import tyro
     args = tyro.cli(Args)  # before the heavy imports: --help is instant
+    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     import random
     import numpy as np
     import torch
@@ -483,7 +506,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
-        state = torch.load(os.path.join(load_from, "trainer_state.pt"), weights_only=False)
+        state = torch.load(os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=False)  # any device layout
         optimizer.load_state_dict(state["optimizer"])
         step, version, skipped, data_pos, order = (state[k] for k in ("step", "version", "skipped", "data_pos", "order"))
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
@@ -494,7 +517,7 @@ if __name__ == "__main__":
 
     def evaluate() -> dict:
         results = generate(url, [prompt_ids(r["question"]) for r in test], 1, args.eval_temperature,
-                           args.max_completion_tokens, args.concurrency, args.seed)
+                           args.max_completion_tokens, args.concurrency, [eval_seed(args.seed, i) for i in range(len(test))])
         grades = grade_batch([res["completions"][0]["text"] for res in results], [r["answer"] for r in test], args.grade_timeout_s)
         return {"eval/accuracy": float(np.mean([g.correct for g in grades])), "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
                 "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results]))}
@@ -506,10 +529,12 @@ if __name__ == "__main__":
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
         rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
+        seeds = [rollout_seed(args.seed, data_pos + i, args.group_size) for i in range(args.rollouts_per_update)]
         data_pos += args.rollouts_per_update
         results = generate(url, [prompt_ids(r["question"]) for r in rows], args.group_size, args.train_temperature,
-                           args.max_completion_tokens, args.concurrency, args.seed * 1_000_003 + step)
+                           args.max_completion_tokens, args.concurrency, seeds)
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
+        sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
         # 2) grade; 3) advantages, relative to each prompt's group
         grades = grade_batch([c["text"] for _, _, c in comps], [row["answer"] for row, _, _ in comps], args.grade_timeout_s)
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
@@ -525,10 +550,11 @@ if __name__ == "__main__":
             for m, idx in enumerate(micro):
                 ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
                 with autocast:
-                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), token_logprobs(model, ids, attn, at).float())  # [b, Tc]
-                    with torch.no_grad():
+                    flat = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], the sampler's policy
+                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
+                    with torch.no_grad():  # the reference at the same temperature: KL between the sampling policies
                         ref_lp = None if ref_model is None else torch.zeros(mask.shape, device=device).masked_scatter(
-                            mask.bool(), token_logprobs(ref_model, ids, attn, at).float())
+                            mask.bool(), token_logprobs(ref_model, ids, attn, at, args.train_temperature).float())
                 vllm_lp = torch.tensor([c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx for c in [comps[i]]], device=device)
                 if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
@@ -569,9 +595,9 @@ if __name__ == "__main__":
                    "clip_frac": stats.get("clipped_tokens", 0.0) / T_all, "logprob_mismatch": stats["mismatch_sum"] / T_all,
                    "kl": stats.get("kl_sum", 0.0) / T_all, "tis_weight": stats.get("tis_weight_sum", T_all) / T_all, "skipped_steps": skipped,
                    "version": version, "sync_s": sync_s, "step_s": time.time() - t0, "tokens_per_s": new_tokens / (time.time() - t0)}
-        for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
+        for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
             rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
-                                          **g._asdict(), "advantage": a, "versions": c["versions"]}) + "\n")
+                                          **g._asdict(), "advantage": a, "versions": c["versions"], "seed": seed}) + "\n")
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         log(metrics, step)

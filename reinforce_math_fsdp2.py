@@ -253,8 +253,10 @@ def reinforce_loss(logprobs, advantages, mask):
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
-def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) without a [B, T, V] fp32
+def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
+    softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed logprobs):
+    at any other temperature the ratio, the TIS weight and the gradient would belong to another policy. No [B, T, V] fp32
     log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -262,7 +264,7 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, chunk: int = 12
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
     def block(h_c, t_c):
-        logits = model.lm_head(h_c).float()  # [chunk, V]
+        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
     return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
                       for i in range(0, h.shape[0], chunk)])  # [N]
@@ -384,9 +386,28 @@ def full_state_dict(model) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]):
-    """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt. A prompt's
-    seed follows its place in the global batch, not the rank that asks: any number of ranks samples the same."""
+# Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
+# requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
+# of prompt i and sample j - 1 of prompt i + 1 draw the same numbers (and the next step reuses them), so a policy that
+# earns no reward keeps drawing the same completions. Spacing the requests by the group size gives every sample of a
+# run its own stream, and the run stays reproducible from --seed.
+SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
+
+def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
+    """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
+    its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
+    return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+
+def eval_seed(run_seed: int, problem_index: int) -> int:
+    """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
+    two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
+    return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
+
+def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
+             seeds: list[int]):
+    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns
+    one result per prompt. A prompt's seed follows its place in the global batch, not the rank that asks: any number
+    of ranks samples the same."""
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
         return post(url, "/generate", body).json()["results"][0]
@@ -416,6 +437,9 @@ if __name__ == "__main__":
                 raise
         if args.rank0_only_output:
             sys.stdout = open(os.devnull, "w")
+    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+        time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
+        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     import logging
     import random
     import numpy as np
@@ -479,7 +503,7 @@ if __name__ == "__main__":
         msd, osd = get_state_dict(model, optimizer)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-        state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), weights_only=False)
+        state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), map_location="cpu", weights_only=False)
         step, version, data_pos = state["step"], state["version"], state["data_pos"]
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
         log.info("resumed from %s at step %d", path, step)
@@ -488,7 +512,7 @@ if __name__ == "__main__":
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
         rows = test[rank::world_size]
         results = generate(url, [prompt_ids(r["problem"]) for r in rows], 1, args.eval_temperature, args.max_completion_tokens,
-                           args.eval_concurrency, [args.seed + rank + world_size * i for i in range(len(rows))])
+                           args.eval_concurrency, [eval_seed(args.seed, rank + world_size * i) for i in range(len(rows))])
         grades = grade_batch([res["completions"][0]["text"] for res in results], [r["solution"] for r in rows], args.grade_timeout_s,
                              strict_format=args.strict_format)
         n, correct, parse_err, length = all_sum(len(rows), sum(g.correct for g in grades), sum(g.parse_error for g in grades),
@@ -502,10 +526,12 @@ if __name__ == "__main__":
         # 1) generate this rank's share of the step's prompts, group_size completions each
         global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
         rows = [train[order[(data_pos + k) % len(train)]] for k in global_idx]
+        seeds = [rollout_seed(args.seed, data_pos + k, args.group_size) for k in global_idx]
         data_pos += args.rollouts_per_update * world_size
         results = generate(url, [prompt_ids(r["problem"]) for r in rows], args.group_size, args.train_temperature,
-                           args.max_completion_tokens, args.concurrency, [args.seed * 1_000_003 + data_pos + k for k in global_idx])
+                           args.max_completion_tokens, args.concurrency, seeds)
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
+        sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
         # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
         grades = grade_batch([c["text"] for _, _, c in comps], [row["solution"] for row, _, _ in comps], args.grade_timeout_s,
                              strict_format=args.strict_format)
@@ -525,7 +551,8 @@ if __name__ == "__main__":
             if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter gradients once, after the last
                 model.set_requires_gradient_sync(m == n_micro - 1)
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
-            logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), model.token_logprobs(ids, attn, at).float())  # [b, Tc]
+            flat = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], the sampler's policy
+            logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
             # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens
             # on all ranks, and times world_size because FSDP averages gradients over ranks, the sum over
             # micro-batches and ranks is the token mean of the whole step: the single-process update.
@@ -562,9 +589,9 @@ if __name__ == "__main__":
                    "avg_completion_length": tokens / n, "completion_tokens": int(tokens), "total_completion_tokens": int(total_tokens),
                    "logprob_mismatch": mismatch / max(T_global, 1), "version": version, "sync_s": sync_s, "step_s": time.time() - t0,
                    "tokens_per_s": tokens / (time.time() - t0)}
-        for (row, _, c), g, a in zip(comps, grades, advantages.tolist()):
+        for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
             rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], **g._asdict(),
-                                          "advantage": a, "versions": c["versions"]}) + "\n")
+                                          "advantage": a, "versions": c["versions"], "seed": seed}) + "\n")
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         report(metrics, step)

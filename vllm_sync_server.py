@@ -276,7 +276,7 @@ def main(args: Args) -> None:
     class GenerateRequest(BaseModel):  # exactly one of prompts (token ids) and messages (chat template applied here)
         prompts: Optional[list[list[int]]] = None; messages: Optional[list[list[dict[str, str]]]] = None
         n: int = 1; temperature: float = 1.0; top_p: float = 1.0; top_k: int = 0; max_tokens: int = 256  # top_k 0: off
-        stop: Optional[list[str]] = None; seed: Optional[int] = None; ignore_eos: bool = False  # prompt i: seed + i
+        stop: Optional[list[str]] = None; seed: Optional[int] = None; ignore_eos: bool = False  # see one()
     @app.post("/generate")
     async def generate(req: GenerateRequest):
         if (req.prompts is None) == (req.messages is None):
@@ -290,8 +290,11 @@ def main(args: Args) -> None:
                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                     "versions": sorted({s["version"] for s in spans}), "version_spans": spans}
         async def one(i: int, ids: list[int]):
-            params = SamplingParams(**req.model_dump(exclude={"prompts", "messages", "seed"}), logprobs=0,
-                                    seed=None if req.seed is None else req.seed + i, output_kind=RequestOutputKind.FINAL_ONLY)
+            # vLLM seeds sample j of a request with its seed + j: prompt i starts at seed + i * n, so sample j of
+            # prompt i draws from seed + i * n + j and no two samples of one request share a random stream
+            seed = None if req.seed is None else req.seed + i * req.n
+            params = SamplingParams(**req.model_dump(exclude={"prompts", "messages", "seed"}), logprobs=0, seed=seed,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
             async for final in ctx["engine"].generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
                 pass  # FINAL_ONLY: a single output, once the request is done
             return {"prompt_token_ids": ids, "completions": [completion(c) for c in final.outputs]}

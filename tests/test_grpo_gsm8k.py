@@ -122,6 +122,17 @@ def test_clipping_edges_stop_the_gradient():
     assert stats["clipped_tokens"] == 2  # 1.5 > 1.3 and 0.5 < 0.8
 
 
+def test_rollout_seeds_are_distinct_by_construction():
+    """vLLM seeds sample j of a request with seed + j: requests spaced by the group size never share a stream, over
+    prompts and steps (the prompt index counts on across steps), and evaluation draws from another range."""
+    for group_size in (1, 4, 8):
+        train = [G.rollout_seed(2, k, group_size) + j for k in range(200) for j in range(group_size)]
+        evals = [G.eval_seed(2, i) for i in range(200)]
+        assert len(set(train + evals)) == len(train) + len(evals)
+    assert G.rollout_seed(2, 0, 8) != G.rollout_seed(3, 0, 8)  # another --seed, other streams
+    assert max(G.rollout_seed(2**23 - 1, 10**9, 64), G.eval_seed(2**23 - 1, 10**9)) < 2**63
+
+
 def test_pack_micro_batches():
     lengths = [5, 300, 40, 41, 290, 7, 100, 120, 8]
     batches = G.pack_micro_batches(lengths, 400)
@@ -163,9 +174,10 @@ def load_weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_alignment_trainer_logprobs_equal_server_logprobs(toy):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
     """The trainer's fp32 logprobs of sampled tokens, computed the way training computes them (packed
-    micro-batches, chunked lm_head), equal the server's at temperature 1 for the same weights."""
+    micro-batches, chunked lm_head, the sampling temperature), equal the server's for the same weights."""
     from transformers import AutoModelForCausalLM
 
     server, path = toy
@@ -173,7 +185,8 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy):
     sync = G.init_weight_sync(server, torch.device("cpu"))
     G.push_weights(sync, model, version=100)  # the server may hold another test's weights
     prompts = [[5, 17, 33, 2, 91], [44, 8, 120, 7, 7, 7, 7, 9], [3]]
-    results = G.generate(server, prompts, n=4, temperature=1.0, max_tokens=24, concurrency=4, seed=0)
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(prompts))]
+    results = G.generate(server, prompts, n=4, temperature=temperature, max_tokens=24, concurrency=4, seeds=seeds)
     seqs, n_prompt, server_lp = [], [], []
     for p, res in zip(prompts, results):
         for c in res["completions"]:
@@ -184,7 +197,7 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy):
     for idx in G.pack_micro_batches([len(s) for s in seqs], 64):  # small budget: several micro-batches
         ids, attn, mask, at = G.micro_batch(seqs, n_prompt, idx, pad_id=0, device=torch.device("cpu"))
         with torch.no_grad():
-            flat = G.token_logprobs(model.train(), ids, attn, at, chunk=7)  # small chunks: several lm_head blocks
+            flat = G.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)  # several lm_head blocks
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())
     assert worst < 1e-4, worst
@@ -192,14 +205,16 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy):
 
 def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
     server, tiny_model = toy
-    # A: 2 steps, tiny micro-batches, a checkpoint every step, every push verified by checksum
+    # A: 2 steps, tiny micro-batches, a checkpoint every step, every push verified by checksum; sampling at
+    # temperature 0.7, so the trainer's logprobs must follow the temperature to agree with the sampler's
+    hot = ("--train-temperature", "0.7")
     out, m = run_script(server, tmp_path / "A", "--train-steps", "2", "--save-every", "1", "--verify-sync",
-                        "--micro-token-budget", "48", "--eval-every", "2", "--eval-limit", "4", model=tiny_model)
+                        "--micro-token-budget", "48", "--eval-every", "2", "--eval-limit", "4", *hot, model=tiny_model)
     assert [int(x["version"]) for x in m] == [1, 2] and "eval/accuracy" in m[1]
     for key in ("loss", "reward", "correct_rate", "parse_err_rate", "avg_completion_length", "total_completion_tokens",
                 "clip_frac", "kl", "logprob_mismatch", "sync_s", "step_s", "tokens_per_s"):
         assert key in m[0], key
-    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m)  # the trainer agrees with the sampler
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # the trainer agrees with the sampler
     rollouts = [json.loads(x) for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
     assert len(rollouts) == 2 * 64 and {"completion", "reward", "advantage", "versions"} <= set(rollouts[0])
     # the server computes with exactly the weights of the last checkpoint
@@ -216,10 +231,13 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
     # B: resume A for one more step; C: the same 3 steps straight. Identical weights: resume restores
     # the step, the data position, the RNG and the optimizer state (Adam's moments change the update)
     out, m = run_script(server, tmp_path / "A", "--train-steps", "3", "--save-every", "1", "--micro-token-budget", "48",
-                        "--resume", model=tiny_model)
+                        "--resume", *hot, model=tiny_model)
     assert "resumed from ckpt/step_2 at step 2" in out and [x["version"] for x in m] == ["3"]
+    # every sample of the run, over prompts, samples, steps and the resume, drew its own random stream
+    seeds = [json.loads(x)["seed"] for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
+    assert len(seeds) == 3 * 64 and len(set(seeds)) == len(seeds)
     _, m = run_script(server, tmp_path / "C", "--train-steps", "3", "--save-every", "1", "--micro-token-budget", "48",
-                      model=tiny_model)
+                      *hot, model=tiny_model)
     a3, c3 = load_weights(tmp_path / "A" / "ckpt" / "step_3"), load_weights(tmp_path / "C" / "ckpt" / "step_3")
     assert max((a3[k] - c3[k]).abs().max().item() for k in a3) < 1e-6
     assert max((a3[k] - w2[k]).abs().max().item() for k in a3) > 1e-4  # and the step did change the weights
@@ -243,10 +261,12 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
         assert diff < 1e-2 * moved, (loss_type, diff, moved)
 
 
-def test_learning_on_toy_task(toy, tmp_path):
-    """GRPO pushes the toy task's mean reward up within 20 steps (measured: ~0.03 -> 1.0)."""
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_learning_on_toy_task(toy, tmp_path, seed):
+    """GRPO pushes the toy task's mean reward up within 20 steps (measured: ~0.03 -> 1.0), whatever the seed: a
+    seed whose samples reuse each other's random numbers could draw the same wrong completions step after step."""
     url, model = toy
-    _, m = run_script(url, tmp_path, "--train-steps", "20", "--save-every", "100", model=model)
+    _, m = run_script(url, tmp_path, "--train-steps", "20", "--save-every", "100", "--seed", str(seed), model=model)
     rewards = [float(x["reward"]) for x in m]
     first, last = sum(rewards[:3]) / 3, sum(rewards[15:]) / 5
     print("rewards", rewards)

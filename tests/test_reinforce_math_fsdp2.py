@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, sha256, start_server, stop_server
+from conftest import PY, ROOT, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
 import reinforce_math_fsdp2 as R  # noqa: E402
@@ -55,6 +55,13 @@ def test_reinforce_loss_and_advantages_against_naive():
             std = (sum((x - mean) ** 2 for x in grp) / 3) ** 0.5
             ref += [(x - mean) / (std + 1e-4) if scale else x - mean for x in grp]
         assert torch.allclose(R.group_advantages(r, 4, scale), torch.tensor(ref), atol=1e-6)
+
+
+def test_rollout_seeds_are_distinct_by_construction():
+    for group_size in (1, 4, 8):
+        train = [R.rollout_seed(2, k, group_size) + j for k in range(200) for j in range(group_size)]
+        evals = [R.eval_seed(2, i) for i in range(200)]
+        assert len(set(train + evals)) == len(train) + len(evals)
 
 
 def test_help_under_torchrun_prints_once_and_fast():
@@ -145,3 +152,22 @@ def test_fsdp2_end_to_end(toy, tmp_path):
     out, m3 = run(url, model, tmp_path / "fsdp", "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
     assert "resumed from checkpoints_math_fsdp2/step_2 at step 2" in out and [x["version"] for x in m3] == ["3"]
     assert set(os.listdir(ck)) == {"step_1", "step_2", "step_3"}
+    # every sample of the run, over ranks, steps and the resume, drew its own random stream
+    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+    assert len(seeds) == 3 * 2 * 4 * 8 and len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
+    """The script's logprobs of sampled tokens (its micro-batches, chunked lm_head, the sampling temperature) equal
+    the server's for the same weights, fp32."""
+    url, model = toy
+    assert logprob_gap(R, url, model, temperature) < 1e-4
+
+
+def test_logprobs_follow_the_train_temperature(toy, tmp_path):
+    """The script wires --train-temperature into its logprobs: one step at 0.7 agrees with the sampler."""
+    url, model = toy
+    _, m = run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--train-temperature", "0.7",
+               nproc=0)
+    assert float(m[0]["logprob_mismatch"]) < 1e-4, m
