@@ -59,7 +59,7 @@ class Args:
     vllm_gpu: int = 0
     """GPU of the server with --start-server; training uses the next one"""
     server_args: str = "--dtype bfloat16"
-    """extra flags for the server started by --start-server"""
+    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     train_steps: int = 100
     """number of policy updates"""
     rollouts_per_update: int = 8
@@ -525,6 +525,13 @@ if __name__ == "__main__":
     if args.eval_before_start and step == 0:
         log(evaluate(), step)
     rollout_log, total_tokens, start_time = open(args.rollout_log, "a", buffering=1), 0, time.time()  # line-buffered
+    progress = None
+    if sys.stderr.isatty():  # a live bar for a person at a terminal (as tqdm does), the metric lines printed above it
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.description}"), redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
+        progress_task = progress.add_task("", total=args.train_steps, completed=step)
+        progress.start()
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
@@ -601,10 +608,15 @@ if __name__ == "__main__":
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         log(metrics, step)
+        if progress is not None:
+            progress.update(progress_task, completed=step, description=f"reward {metrics['reward']:.2f}, "
+                            f"{metrics['step_s']:.1f} s/step")
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             model.save_pretrained(path), tokenizer.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
             torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped, "data_pos": data_pos,
                         "order": order, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                         "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))
+    if progress is not None:
+        progress.stop()
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)

@@ -117,4 +117,9 @@ def build_tiny_model(
 if __name__ == "__main__":
     import sys
 
-    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-qwen2"))
+    # python tests/tiny_model.py [PATH] [--toy]: --toy is the learnable toy model of the learning tests and the CPU
+    # demo (a 128-token vocabulary in which each `\boxed{d}` is one token)
+    toy = "--toy" in sys.argv
+    paths = [a for a in sys.argv[1:] if a != "--toy"]
+    path = paths[0] if paths else "/tmp/tiny-qwen2"
+    print(build_tiny_model(path, vocab_size=128, byte_alphabet=False) if toy else build_tiny_model(path))
