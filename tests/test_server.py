@@ -400,3 +400,19 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
 
+
+def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
+    """grpo_gsm8k.py with $VLLM_API_KEY set: every request it sends (/health, /init_communicator, /generate,
+    /update_param_batch, /weights_checksum with --verify-sync) carries the key, so a step runs end to end. Last in
+    this module: it changes the server's weights. Once is enough (the direct server)."""
+    if not DIRECT[server]:
+        pytest.skip("one run is enough")
+    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", tiny_model, "--vllm-port", server.rsplit(":", 1)[1],
+           "--dataset", os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy"), "--train-steps", "1", "--verify-sync",
+           "--max-completion-tokens", "8", "--rollouts-per-update", "2", "--group-size", "2", "--system-prompt", "",
+           "--eval-every", "0", "--save-every", "100", "--checkpoint-dir", "ckpt"]
+    r = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "VLLM_API_KEY": KEY}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "step 1: " in r.stdout and " version=1 " in r.stdout, r.stdout[-3000:]
+    assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == 1
