@@ -270,11 +270,18 @@ def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: 
 
 # ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py, and the data
-def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+def auth_headers() -> dict:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
+    started with --api-key (or that variable) refuses every route but /health without it."""
+    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
+    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
-            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
@@ -282,6 +289,8 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
+        except requests.Timeout as e:  # not retried: the server may be acting on the request
+            raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
 
 def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
@@ -311,7 +320,7 @@ def start_vllm_server(args: Args, log_path: str):
         if proc.poll() is not None:
             raise RuntimeError(f"vllm_sync_server.py exited with {proc.returncode}; see {log_path}")
         try:
-            if requests.get(url + "/health", timeout=2).ok:
+            if requests.get(url + "/health", timeout=2, headers=auth_headers()).ok:
                 return proc
         except requests.RequestException:
             time.sleep(0.5)
@@ -349,7 +358,7 @@ if __name__ == "__main__":
     url, out = f"http://{args.vllm_host}:{args.vllm_port}", args.out or f"{args.task}_eval.jsonl"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
-    served = requests.get(url + "/health", timeout=30).json().get("model")
+    served = requests.get(url + "/health", timeout=30, headers=auth_headers()).json().get("model")
     if served != args.model:  # the tokenizer and template come from --model, the completions from the server
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]

@@ -325,11 +325,17 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
     return ids, attn, mask, at
 
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py
-def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+def auth_headers() -> dict:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
+    started with --api-key (or that variable) refuses every route but /health without it."""
+    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
+    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
-            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
@@ -337,12 +343,23 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
+        except requests.Timeout as e:  # not retried: the server may be acting on the request
+            raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
+
+def lines(response):
+    """The JSON lines of a streamed answer, one at a time, each within post's `timeout`; a silent or broken stream is
+    an error naming the URL and route."""
+    try:
+        yield from (json.loads(x) for x in response.iter_lines() if x)
+    except requests.RequestException as e:
+        raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
+    raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
-    info = requests.get(url + "/health", timeout=30).json()
+    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
@@ -350,8 +367,9 @@ def init_weight_sync(url: str, device) -> dict:
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     body = {"host": host, "port": port, "world_size": world_size, "connections": connections}  # the server's end alike
-    lines = (json.loads(x) for x in post(url, "/init_communicator", body, stream=True).iter_lines() if x)
-    next(lines)  # "joining": the server's workers are connecting to our store now
+    wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after its collective and one queued before
+    answer = lines(post(url, "/init_communicator", body, stream=True, timeout=wait_s))
+    next(answer)  # "joining": the server's workers are connecting to our store now
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -361,9 +379,9 @@ def init_weight_sync(url: str, device) -> dict:
         opts._timeout, opts._threads = timeout, 2 * connections
         opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
         pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
-    if (done := next(lines))["status"] != "ok":
+    if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
-    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
+    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
 def push_weights(sync: dict, model, version: int) -> dict:
     """Broadcast every parameter (cast to the server's dtype) in order, one broadcast each, all in flight at once (up
@@ -373,9 +391,9 @@ def push_weights(sync: dict, model, version: int) -> dict:
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version}, stream=True)
-    lines = (json.loads(x) for x in r.iter_lines() if x)
-    next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
+    body = {"params": params, "version": version}
+    answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
+    next(answer)  # "receiving": the server checked the metadata and waits for the broadcasts
     opts, inflight, ahead = torch.distributed.BroadcastOptions(), [], 0
     opts.rootRank = 0
     for _, p in named:
@@ -386,7 +404,7 @@ def push_weights(sync: dict, model, version: int) -> dict:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     [work.wait() for _, work in inflight]
-    if (done := next(lines))["status"] != "ok":
+    if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
@@ -396,7 +414,7 @@ def verify_weights(sync: dict, model) -> int:
     dtype = getattr(torch, sync["dtype"])
     ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
             for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the server reports it
-    theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600).json()["checksums"]
+    theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
     if ours != theirs:
         raise RuntimeError(f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
     return len(theirs)
@@ -440,7 +458,7 @@ def start_vllm_server(args: Args, log_path: str):
         if proc.poll() is not None:
             raise RuntimeError(f"vllm_sync_server.py exited with {proc.returncode}; see {log_path}")
         try:
-            if requests.get(url + "/health", timeout=2).ok:
+            if requests.get(url + "/health", timeout=2, headers=auth_headers()).ok:
                 return proc
         except requests.RequestException:
             time.sleep(0.5)

@@ -242,11 +242,18 @@ def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[fl
 
 # ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py and Redis
-def post(url: str, path: str, body: dict, retries: int = 5):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+def auth_headers() -> dict:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
+    started with --api-key (or that variable) refuses every route but /health without it."""
+    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
+    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
-            r = requests.post(url + path, json=body, timeout=600)
+            r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
@@ -254,6 +261,8 @@ def post(url: str, path: str, body: dict, retries: int = 5):
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
+        except requests.Timeout as e:  # not retried: the server may be acting on the request
+            raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
 
 def server_version(urls: list[str]) -> int:
@@ -262,7 +271,8 @@ def server_version(urls: list[str]) -> int:
     for url in urls:
         for attempt in range(6):
             try:
-                versions.append(requests.get(url + "/runtime_version", timeout=30).json()["version"])
+                r = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers())
+                versions.append(r.json()["version"])
                 break
             except requests.RequestException as e:
                 if attempt == 5:

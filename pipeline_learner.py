@@ -237,11 +237,18 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
 
 # ---------------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py, for several servers in one group
-def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+def auth_headers() -> dict:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
+    started with --api-key (or that variable) refuses every route but /health without it."""
+    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
+    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
-            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
@@ -249,10 +256,18 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
+        except requests.Timeout as e:  # not retried: the server may be acting on the request
+            raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
 
-def lines(response):  # the JSON lines of a streamed answer, one at a time
-    return (json.loads(x) for x in response.iter_lines() if x)
+def lines(response):
+    """The JSON lines of a streamed answer, one at a time, each within post's `timeout`; a silent or broken stream is
+    an error naming the URL and route."""
+    try:
+        yield from (json.loads(x) for x in response.iter_lines() if x)
+    except requests.RequestException as e:
+        raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
+    raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
 
 def init_weight_sync(urls: list[str], device) -> dict:
@@ -260,7 +275,8 @@ def init_weight_sync(urls: list[str], device) -> dict:
     default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
 
-    dtypes = {requests.get(url + "/health", timeout=30).json()["dtype"] for url in urls}
+    infos = [requests.get(url + "/health", timeout=30, headers=auth_headers()).json() for url in urls]
+    dtypes = {info["dtype"] for info in infos}
     if len(dtypes) != 1:
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
@@ -271,8 +287,10 @@ def init_weight_sync(urls: list[str], device) -> dict:
     world_size = 1 + len(urls)  # rank 0 = this learner, rank 1 + k = server k's worker (tensor_parallel_size 1)
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    wait_s = 2 * max(info["sync_timeout_s"] for info in infos) + 180  # a 2nd line: after a collective and one before
     answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size, "rank_offset":
-                                                      1 + k, "connections": connections}, stream=True)) for k, url in enumerate(urls)]
+                                                      1 + k, "connections": connections}, stream=True, timeout=wait_s))
+               for k, url in enumerate(urls)]
     [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
     if device.type == "cuda":  # building our end completes the rendezvous of all ranks
         opts = dist.ProcessGroupNCCL.Options()
@@ -286,7 +304,7 @@ def init_weight_sync(urls: list[str], device) -> dict:
     for url, a in zip(urls, answers):
         if (done := next(a))["status"] != "ok":
             raise RuntimeError(f"{url}/init_communicator failed: {done}")
-    return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device}
+    return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device, "timeout_s": wait_s}
 
 
 def push_weights(sync: dict, model, version: int) -> float:
@@ -299,7 +317,8 @@ def push_weights(sync: dict, model, version: int) -> float:
     t0, dtype = time.time(), getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    answers = [lines(post(url, "/update_param_batch", {"params": params, "version": version}, stream=True))
+    answers = [lines(post(url, "/update_param_batch", {"params": params, "version": version}, stream=True,
+                          timeout=sync["timeout_s"]))
                for url in sync["urls"]]
     [next(a) for a in answers]  # "receiving": each server checked the metadata, paused generation, and waits
     opts, inflight, ahead = dist.BroadcastOptions(), [], 0
@@ -327,7 +346,8 @@ def verify_weights(sync: dict, model) -> None:
     ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
             for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the servers report it
     for url in sync["urls"]:
-        if ours != (theirs := requests.get(url + "/weights_checksum", timeout=600).json()["checksums"]):
+        theirs = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
+        if ours != theirs:
             raise RuntimeError(f"{url}: weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
 
 
@@ -392,7 +412,8 @@ if __name__ == "__main__":
     # the servers' group, then our weights first: above every version the servers (and the queue) have seen
     print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
     sync = init_weight_sync(args.vllm_urls, device)
-    served = [requests.get(url + "/runtime_version", timeout=30).json()["version"] for url in args.vllm_urls]
+    served = [requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["version"]
+              for url in args.vllm_urls]
     version = max([version, *served]) + 1
     push_weights(sync, model, version)
     if args.verify_sync:

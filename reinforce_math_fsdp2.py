@@ -311,11 +311,17 @@ def shard_model(model, param_dtype: str, world_size: int):
     register_fsdp_forward_method(model, "token_logprobs")
     return model
 
-def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL."""
+def auth_headers() -> dict:
+    """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
+    started with --api-key (or that variable) refuses every route but /health without it."""
+    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
+def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
+    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
+    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
-            r = requests.post(url + path, json=body, stream=stream, timeout=None if stream else 600)
+            r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
@@ -323,12 +329,23 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
             time.sleep(2**attempt)
+        except requests.Timeout as e:  # not retried: the server may be acting on the request
+            raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
+
+def lines(response):
+    """The JSON lines of a streamed answer, one at a time, each within post's `timeout`; a silent or broken stream is
+    an error naming the URL and route."""
+    try:
+        yield from (json.loads(x) for x in response.iter_lines() if x)
+    except requests.RequestException as e:
+        raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
+    raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
 def init_weight_sync(url: str, device) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
-    info = requests.get(url + "/health", timeout=30).json()
+    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
@@ -336,8 +353,9 @@ def init_weight_sync(url: str, device) -> dict:
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     body = {"host": host, "port": port, "world_size": world_size, "connections": connections}  # the server's end alike
-    lines = (json.loads(x) for x in post(url, "/init_communicator", body, stream=True).iter_lines() if x)
-    next(lines)  # "joining": the server's workers are connecting to our store now
+    wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after its collective and one queued before
+    answer = lines(post(url, "/init_communicator", body, stream=True, timeout=wait_s))
+    next(answer)  # "joining": the server's workers are connecting to our store now
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -347,9 +365,9 @@ def init_weight_sync(url: str, device) -> dict:
         opts._timeout, opts._threads = timeout, 2 * connections
         opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
         pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
-    if (done := next(lines))["status"] != "ok":
+    if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed: {done}")
-    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device}
+    return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
 def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
     """Call on every rank: each parameter is gathered whole by all ranks in turn (DTensor.full_tensor, an all-gather on
@@ -364,9 +382,9 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
         return None
     dtype = getattr(torch, sync["dtype"])
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    r = post(sync["url"], "/update_param_batch", {"params": params, "version": version}, stream=True)
-    lines = (json.loads(x) for x in r.iter_lines() if x)
-    next(lines)  # "receiving": the server checked the metadata and waits for the broadcasts
+    body = {"params": params, "version": version}
+    answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
+    next(answer)  # "receiving": the server checked the metadata and waits for the broadcasts
     opts, inflight, ahead = torch.distributed.BroadcastOptions(), [], 0
     opts.rootRank = 0
     for _, p in named:
@@ -377,7 +395,7 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     [work.wait() for _, work in inflight]
-    if (done := next(lines))["status"] != "ok":
+    if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
@@ -576,7 +594,8 @@ if __name__ == "__main__":
         if args.verify_sync:  # all ranks gather the full state dict; rank 0 compares it with the server's
             sd = full_state_dict(model)
             if rank == 0:
-                theirs, dtype = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"], getattr(torch, sync["dtype"])
+                got = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers())
+                theirs, dtype = got.json()["checksums"], getattr(torch, sync["dtype"])
                 if bad := [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]:
                     raise RuntimeError(f"weights differ after the push: {bad[:5]}")
         sync_s = time.time() - t_sync

@@ -37,7 +37,7 @@ class Args:
     seed: int = 0
     """engine seed"""
     api_key: Optional[str] = None
-    """if set, control routes require the header `Authorization: Bearer <key>`"""
+    """if set, every route but /health requires the header `Authorization: Bearer <key>` (default: $VLLM_API_KEY)"""
     sync_timeout_s: float = 120.0
     """timeout of every collective; a trainer silent for longer is dropped"""
     kv_cache_memory_bytes: Optional[int] = None
@@ -206,6 +206,7 @@ def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_
 
 
 def main(args: Args) -> None:
+    args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None  # vLLM's own convention, as `vllm serve`
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can replace the "
               "model's weights", file=sys.stderr, flush=True)
@@ -243,6 +244,8 @@ def main(args: Args) -> None:
         ctx.update(engine=engine, dtype=str(engine.vllm_config.model_config.dtype).removeprefix("torch."), lock=asyncio.Lock(),
                    tokenizer=AutoTokenizer.from_pretrained(args.model), gate=asyncio.Event())  # gate: open (set) but while
         ctx["gate"].set()  # a push goes into an idle engine (update_param_batch)
+        ctx["limits"] = {"max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs,  # what /generate accepts
+                         "max_model_len": engine.vllm_config.model_config.max_model_len}
         path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
         if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
@@ -251,10 +254,11 @@ def main(args: Args) -> None:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="vllm_sync_server", lifespan=lifespan)
-    def require_key(request: Request) -> None:  # a dependency: runs before the body is even parsed
-        if args.api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {args.api_key}"):
+    def require_key(request: Request) -> None:  # a dependency of every route: runs before the body is even parsed
+        if args.api_key and request.url.path != "/health" and not hmac.compare_digest(
+                request.headers.get("authorization", ""), f"Bearer {args.api_key}"):
             raise HTTPException(401, "this route needs the header 'Authorization: Bearer <api key>'")
+    app = FastAPI(title="vllm_sync_server", lifespan=lifespan, dependencies=[Depends(require_key)])
     def two_lines(first: dict, task: asyncio.Task) -> StreamingResponse:
         async def lines():
             yield json.dumps(first) + "\n"  # at once: "go ahead with the collective"
@@ -264,8 +268,9 @@ def main(args: Args) -> None:
         return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
     @app.get("/health")
-    async def health():  # dtype: what /update_param_batch expects on the wire
-        return {"status": "ok", "model": args.model, "dtype": ctx["dtype"]}
+    async def health():  # dtype: what /update_param_batch expects on the wire; the limits of /generate
+        return {"status": "ok", "model": args.model, "dtype": ctx["dtype"], "sync_timeout_s": args.sync_timeout_s,
+                **ctx["limits"]}
     @app.get("/runtime_version")
     async def runtime_version():
         return {k: state[k] for k in ("version", "updating", "communicator", "last_error")}
@@ -281,9 +286,18 @@ def main(args: Args) -> None:
     async def generate(req: GenerateRequest):
         if (req.prompts is None) == (req.messages is None):
             raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
+        lim, field = ctx["limits"], "prompts" if req.messages is None else "messages"  # a request: one batch at most
+        if req.n > lim["max_num_seqs"]:
+            raise HTTPException(400, f"'n' {req.n} is over this server's max_num_seqs {lim['max_num_seqs']}")
+        if (k := len(getattr(req, field))) * req.n > lim["max_num_seqs"]:
+            raise HTTPException(400, f"{k} '{field}' x n {req.n} = {k * req.n} sequences, over this server's "
+                                     f"max_num_seqs {lim['max_num_seqs']} per request")
         tok = ctx["tokenizer"]
         prompts = req.prompts or [tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
                                              add_special_tokens=False) for m in req.messages]
+        if long := [(i, len(ids)) for i, ids in enumerate(prompts) if len(ids) + req.max_tokens > lim["max_model_len"]]:
+            raise HTTPException(400, f"'max_tokens' {req.max_tokens} + the {long[0][1]} tokens of prompt {long[0][0]} "
+                                     f"exceed this server's max_model_len {lim['max_model_len']}")
         def completion(c) -> dict:
             spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
             return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
@@ -310,7 +324,7 @@ def main(args: Args) -> None:
 
     class InitRequest(BaseModel):  # connections: gloo's (CPU), as many as the trainer's end of the group has
         host: str; port: int; world_size: int; rank_offset: int = 1; connections: int = Field(1, ge=1, le=64)
-    @app.post("/init_communicator", dependencies=[Depends(require_key)])
+    @app.post("/init_communicator")
     async def init_communicator(req: InitRequest):
         tp, lo = args.tensor_parallel_size, req.rank_offset
         if lo < 1 or req.world_size < lo + tp:
@@ -335,7 +349,7 @@ def main(args: Args) -> None:
 
     class UpdateRequest(BaseModel):  # the tensors travel in this order, one broadcast each (bench/weight_sync.py)
         params: list[dict] = Field(min_length=1); version: Optional[int] = None
-    @app.post("/update_param_batch", dependencies=[Depends(require_key)])
+    @app.post("/update_param_batch")
     async def update_param_batch(req: UpdateRequest):
         if busy := ("no communicator: POST /init_communicator first" if state["communicator"] is None else
                     "another weight update is running" if state["updating"] else None):
@@ -380,10 +394,10 @@ def main(args: Args) -> None:
             finally:
                 state["updating"], state["tasks"] = False, state["tasks"] - 1
         return two_lines({"status": "receiving", "num_params": len(params)}, asyncio.create_task(update()))
-    @app.post("/reset_prefix_cache", dependencies=[Depends(require_key)])
+    @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         return {"status": "ok", "reset": await ctx["engine"].reset_prefix_cache()}
-    @app.post("/close_communicator", dependencies=[Depends(require_key)])
+    @app.post("/close_communicator")
     async def close_communicator():
         if state["updating"]:
             raise HTTPException(409, "a weight update is running")

@@ -1,6 +1,6 @@
 """vllm_sync_server.py against a real vLLM engine on CPU, with the tiny model built by the tests.
 
-One server (started with --api-key, so every control call below carries the key) serves all tests of
+One server (started with --api-key, so every call below but /health carries the key) serves all tests of
 this module, in order; each test leaves it healthy for the next."""
 
 import os
@@ -8,6 +8,7 @@ import socket
 import subprocess
 import threading
 import time
+from unittest import mock
 
 import pytest
 import requests
@@ -15,6 +16,7 @@ import torch
 from conftest import PY, ROOT, SyncClient, sha256, start_server, stop_server
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 SYNC_TIMEOUT_S = 10
 
 
@@ -25,10 +27,12 @@ PID = {}  # url -> the server's process id
 @pytest.fixture(scope="module", params=["direct", "reload"])
 def server(tiny_model, tmp_path_factory, request):
     """Both ways a push reaches the engine: straight into its tensors (the default, for models whose loaders copy
-    the checkpoint unchanged) and vLLM's layerwise reload (any model; --no-direct-load forces it here)."""
+    the checkpoint unchanged) and vLLM's layerwise reload (any model; --no-direct-load forces it here). The first
+    server gets its key from --api-key, the second from $VLLM_API_KEY (as `vllm serve` does)."""
     log = str(tmp_path_factory.mktemp("server") / "server.log")
-    flags = ["--api-key", KEY, "--sync-timeout-s", str(SYNC_TIMEOUT_S)] + (["--no-direct-load"] if request.param == "reload" else [])
-    proc, url = start_server(tiny_model, log, *flags)
+    flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
+    with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
+        proc, url = start_server(tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S))
     DIRECT[url], PID[url] = request.param == "direct", proc.pid
     yield url
     stop_server(proc)
@@ -52,7 +56,7 @@ def hf_logprobs(model, prompt_ids, completion_ids, temperature=1.0):
 
 
 def generate(url, **body):
-    r = requests.post(url + "/generate", json=body, timeout=120)
+    r = requests.post(url + "/generate", json=body, headers=AUTH, timeout=120)
     r.raise_for_status()
     return r.json()
 
@@ -77,7 +81,7 @@ def state_dict_with_tied(model):
 
 
 def assert_checksums(url, named):
-    got = requests.get(url + "/weights_checksum", timeout=60).json()["checksums"]
+    got = requests.get(url + "/weights_checksum", headers=AUTH, timeout=60).json()["checksums"]
     assert set(got) == set(named), set(got) ^ set(named)
     bad = [k for k in got if got[k] != sha256(named[k])]
     assert not bad, bad
@@ -126,7 +130,7 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     for t in threads:
         t.join()
     assert len(results) == 8 and all(len(r["results"][0]["completions"]) == 2 for r in results)
-    r = requests.post(server + "/generate", json={"prompts": [[1]], "messages": [msgs]})
+    r = requests.post(server + "/generate", json={"prompts": [[1]], "messages": [msgs]}, headers=AUTH)
     assert r.status_code == 400
 
 
@@ -164,7 +168,7 @@ def test_full_and_partial_push(server, hf_model):
             break
     assert done["paused"], done  # requests were in the engine: vLLM's pause ran
     v = done["version"]
-    assert requests.get(server + "/runtime_version").json()["version"] == v
+    assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == v
     assert_checksums(server, new)
     assert_logprobs_match(server, hf_model)
     assert len(comps) == 16 and all(len(c["token_ids"]) == 1000 for c in comps)
@@ -200,7 +204,7 @@ def test_a_request_sent_during_a_push_into_an_idle_engine_waits_for_the_new_weig
         for v in hf_model.parameters():
             v.mul_(0.9)
     params = {k: v.detach() for k, v in hf_model.named_parameters()}
-    before = requests.get(server + "/runtime_version").json()["version"]
+    before = requests.get(server + "/runtime_version", headers=AUTH).json()["version"]
     prompt = [[(7 * i) % 300 + 3 for i in range(300)]]  # several KV blocks long
     generate(server, prompts=prompt, max_tokens=2)  # its KV is now in the prefix cache (old weights)
     out, threads = {}, []
@@ -242,7 +246,7 @@ def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
                       json={"host": "127.0.0.1", "port": 1, "world_size": 2, "connections": 0})
     assert r.status_code == 422 and "connections" in r.text, r.text  # (pydantic's check: 1..64)
     assert requests.get(server + "/health").ok
-    assert requests.get(server + "/runtime_version").json()["updating"] is False
+    assert requests.get(server + "/runtime_version", headers=AUTH).json()["updating"] is False
     # the communicator is still usable after refusals
     done = client.push({"model.norm.weight": good["model.norm.weight"]})
     assert done["status"] == "ok", done
@@ -272,7 +276,7 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
     out = generate(server, prompts=[[1, 2, 3]], max_tokens=4)
     assert len(out["results"][0]["completions"][0]["token_ids"]) == 4
     assert time.time() - t0 < SYNC_TIMEOUT_S + 30
-    st = requests.get(server + "/runtime_version").json()
+    st = requests.get(server + "/runtime_version", headers=AUTH).json()
     assert st["communicator"] is None and st["updating"] is False and "update_param_batch" in st["last_error"]
     # ... and accepts a new communicator (here gloo's plain single connection) and a full push that lands bit for bit
     client = SyncClient(server, api_key=KEY)
@@ -320,15 +324,52 @@ def test_engine_process_sleeps_while_a_worker_runs_a_sync_rpc(server):
     del pg
 
 
-def test_api_key_guards_control_routes(server):
-    for route in ("/init_communicator", "/update_param_batch", "/reset_prefix_cache", "/close_communicator"):
-        r = requests.post(server + route, json={})
+def test_api_key_guards_every_route_but_health(server):
+    routes = [("POST", r) for r in ("/init_communicator", "/update_param_batch", "/reset_prefix_cache",
+                                    "/close_communicator", "/generate")]
+    routes += [("GET", r) for r in ("/runtime_version", "/get_num_background_tasks", "/weights_checksum")]
+    for method, route in routes:
+        r = requests.request(method, server + route, json={"prompts": [[1, 2]], "max_tokens": 1})
         assert r.status_code == 401, (route, r.status_code)
-        r = requests.post(server + route, json={}, headers={"Authorization": "Bearer wrong"})
+        r = requests.request(method, server + route, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401, route
-    ok = requests.post(server + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
-    assert ok.status_code == 200
-    assert requests.get(server + "/health").ok  # generation and health stay open
+    for route in ("/runtime_version", "/get_num_background_tasks", "/weights_checksum"):
+        assert requests.get(server + route, headers=AUTH).status_code == 200, route
+    assert requests.post(server + "/reset_prefix_cache", headers=AUTH).status_code == 200
+    assert generate(server, prompts=[[1, 2]], max_tokens=1)["results"]  # (the helper sends the key)
+    health = requests.get(server + "/health")  # health stays open
+    assert health.ok and health.json()["sync_timeout_s"] == SYNC_TIMEOUT_S
+
+
+def test_generate_limits_follow_the_engine(server):
+    """n, the prompts of one request (x n) and len(prompt) + max_tokens are bounded by the engine's max_num_seqs and
+    max_model_len (conftest starts the server with --max-model-len 1024; vLLM's default max_num_seqs is 256): a request
+    over them is a 400 naming the field, at once, before anything reaches the engine."""
+    health = requests.get(server + "/health").json()
+    seqs, length = health["max_num_seqs"], health["max_model_len"]
+    assert (seqs, length) == (256, 1024), health
+
+    def refused(**body):
+        t0 = time.time()
+        r = requests.post(server + "/generate", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 400 and time.time() - t0 < 5, (r.status_code, r.text[:300])
+        return r.json()["detail"]
+
+    assert "'n' 257 " in refused(prompts=[[1, 2]], n=seqs + 1, max_tokens=1)
+    assert "'n'" in refused(prompts=[[1, 2]], n=100_000, max_tokens=1)
+    assert "129 'prompts' x n 2 " in refused(prompts=[[1, 2]] * (seqs // 2 + 1), n=2, max_tokens=1)
+    assert "'prompts'" in refused(prompts=[[1, 2]] * 100_000, max_tokens=1)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "257 'messages' x n 1 " in refused(messages=[msgs] * (seqs + 1), max_tokens=1)
+    assert "'max_tokens' 1000000000 " in refused(prompts=[[1, 2]], max_tokens=10**9)
+    prompt = [(5 * i) % 300 + 3 for i in range(length - 4)]
+    assert "'max_tokens' 5 + the 1020 tokens of prompt 1 " in refused(prompts=[[1, 2], prompt], max_tokens=5)
+    assert "'max_tokens'" in refused(messages=[[{"role": "user", "content": "x" * 8 * length}]], max_tokens=1)
+    # at the limits: accepted
+    out = generate(server, prompts=[prompt], max_tokens=4, ignore_eos=True)
+    assert len(out["results"][0]["completions"][0]["token_ids"]) == 4
+    out = generate(server, prompts=[[1, 2]] * 2, n=seqs // 2, max_tokens=1)
+    assert [len(r["completions"]) for r in out["results"]] == [seqs // 2] * 2
 
 
 def test_help_is_fast_and_non_loopback_warns(tiny_model):
@@ -358,3 +399,20 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
     assert r.returncode != 0 and "OSError: [Errno 98] Address already in use" in r.stderr, r.stderr[-2000:]
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
+
+
+def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
+    """grpo_gsm8k.py with $VLLM_API_KEY set: every request it sends (/health, /init_communicator, /generate,
+    /update_param_batch, /weights_checksum with --verify-sync) carries the key, so a step runs end to end. Last in
+    this module: it changes the server's weights. Once is enough (the direct server)."""
+    if not DIRECT[server]:
+        pytest.skip("one run is enough")
+    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", tiny_model, "--vllm-port", server.rsplit(":", 1)[1],
+           "--dataset", os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy"), "--train-steps", "1", "--verify-sync",
+           "--max-completion-tokens", "8", "--rollouts-per-update", "2", "--group-size", "2", "--system-prompt", "",
+           "--eval-every", "0", "--save-every", "100", "--checkpoint-dir", "ckpt"]
+    r = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "VLLM_API_KEY": KEY}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "step 1: " in r.stdout and " version=1 " in r.stdout, r.stdout[-3000:]
+    assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == 1
