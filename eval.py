@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#evalpy
+# docs and experiment results: docs/eval.md
 """Accuracy of a model on GSM8K or MATH-500: generate with vllm_sync_server.py, grade with math-verify.
 
 Evaluation is the other half of RL with verifiable rewards: the verifier that hands out rewards in training
@@ -72,7 +72,7 @@ class Args:
     start_server: bool = False
     """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit"""
     vllm_gpu: int = 0
-    """GPU of the server with --start-server"""
+    """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     concurrency: int = 32
@@ -308,9 +308,20 @@ def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max
         return list(pool.map(one, range(len(prompts))))
 
 
+def physical_gpu(index: int) -> str:
+    """The GPU that this process sees as cuda:`index`, named for a child process: CUDA_VISIBLE_DEVICES renumbers the
+    GPUs it lists (`4,5`: cuda:0 is GPU 4), and the server must land inside the user's set, on the GPU meant."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    if not 0 <= index < len(ids):
+        raise SystemExit(f"--vllm-gpu {index}: CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPU(s) visible")
+    return ids[index]
+
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.vllm_gpu)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
            "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#grpo_gsm8kpy
+# docs and experiment results: docs/grpo_gsm8k.md
 """GRPO on GSM8K, in one file: generate with vLLM, grade with math-verify, update, push weights to vLLM.
 
 GRPO (Shao et al. 2024, DeepSeekMath) is PPO without a value network: sample a group of G completions per prompt,
@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
@@ -54,10 +55,13 @@ class Args:
     """host of vllm_sync_server.py"""
     vllm_port: int = 8000
     """port of vllm_sync_server.py"""
+    sync_host: Optional[str] = None
+    """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
+    its connection to the server)"""
     start_server: bool = False
     """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
     vllm_gpu: int = 0
-    """GPU of the server with --start-server; training uses the next one"""
+    """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
     server_args: str = "--dtype bfloat16"
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     train_steps: int = 100
@@ -355,32 +359,62 @@ def lines(response):
         raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
     raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
-def init_weight_sync(url: str, device) -> dict:
+def local_address(url: str) -> str:
+    """This machine's address on its route to the server: the local end of a connection to it (loopback for a server
+    on this machine). The address of our own host name can be 127.0.1.1, or an interface the server cannot reach."""
+    where = urllib.parse.urlsplit(url)
+    with socket.create_connection((where.hostname, where.port or 80), timeout=30) as s:
+        return s.getsockname()[0]
+
+def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
+    """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
+    blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
+    after the collective, and at the group's timeout torch's watchdog would end the whole process (its default error
+    handling) instead of raising. So on CUDA: poll is_completed(), check the work's exception, abort when late."""
+    while not all(work.is_completed() for work in works):
+        if time.monotonic() > deadline:
+            pg.abort()  # ends the pending NCCL kernels and frees the communicator
+            raise TimeoutError(f"{what} did not complete in time: the group was aborted")
+        time.sleep(0.001)
+    for work in works:
+        if work.exception() is not None:
+            raise RuntimeError(f"{what} failed: {work.exception()}")
+
+def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
     info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    if info["device"] != device.type:  # NCCL on one end and gloo on the other never meet: say so before joining
+        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
+                           "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
-    host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
-    timeout, world_size = datetime.timedelta(seconds=300), 2  # world: this trainer + one server worker (TP 1)
+    host = sync_host or local_address(url)  # where the server's workers connect to our store
+    timeout = datetime.timedelta(seconds=300)
+    world_size = 1 + info["workers"]  # this trainer (rank 0) and every worker of the server (its tensor parallel size)
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     body = {"host": host, "port": port, "world_size": world_size, "connections": connections}  # the server's end alike
     wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after its collective and one queued before
     answer = lines(post(url, "/init_communicator", body, stream=True, timeout=wait_s))
     next(answer)  # "joining": the server's workers are connecting to our store now
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
-    else:
-        opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
-        opts._timeout, opts._threads = timeout, 2 * connections
-        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
-        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    try:
+        if device.type == "cuda":  # a late peer must raise here, not end the process: see wait_or_abort
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read by the next ProcessGroupNCCL
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
+            opts._timeout, opts._threads = timeout, 2 * connections
+            opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+            pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    except Exception as e:  # the workers never joined: the server's second line says why
+        raise RuntimeError(f"the workers of {url} did not join this trainer's group at {host}:{port}: "
+                           f"{next(answer, {}).get('error', e)}") from e
     if (done := next(answer))["status"] != "ok":
-        raise RuntimeError(f"{url}/init_communicator failed: {done}")
+        raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
 def push_weights(sync: dict, model, version: int) -> dict:
@@ -403,7 +437,11 @@ def push_weights(sync: dict, model, version: int) -> dict:
         while ahead > 1 << 30:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
-    [work.wait() for _, work in inflight]
+    if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
+        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
+                      f"the weight push to {sync['url']}")
+    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
+        work.wait()
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
@@ -446,9 +484,20 @@ def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
 
+def physical_gpu(index: int) -> str:
+    """The GPU that this process sees as cuda:`index`, named for a child process: CUDA_VISIBLE_DEVICES renumbers the
+    GPUs it lists (`4,5`: cuda:0 is GPU 4), and the server must land inside the user's set, on the GPU meant."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    if not 0 <= index < len(ids):
+        raise SystemExit(f"--vllm-gpu {index}: CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPU(s) visible")
+    return ids[index]
+
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.vllm_gpu)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
            "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -484,7 +533,15 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: seeding, devices, server, logging
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
+    if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
+        raise SystemExit("--start-server needs two visible GPUs, one for the server and one for training: the weight "
+                         "sync's NCCL group cannot have both ends on one GPU. Make a second GPU visible, or start "
+                         "vllm_sync_server.py yourself on another GPU or machine and pass --vllm-host/--vllm-port.")
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
+    print(f"training on {device}" + ("" if n_gpu else " (no CUDA GPU visible: training on a GPU needs torch built for "
+                                     "CUDA and a CUDA 13 driver, see requirements.txt)"), flush=True)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
@@ -530,7 +587,7 @@ if __name__ == "__main__":
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    sync = init_weight_sync(url, device)
+    sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:

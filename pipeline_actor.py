@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#pipeline_actorpy--pipeline_learnerpy
+# docs and experiment results: docs/pipeline.md
 """Pipeline RL, the actor: sample and grade GSM8K rollouts with vLLM, push them to a Redis queue.
 
 Pipeline RL splits GRPO's loop (grpo_gsm8k.py) into processes that do not wait for each other. This actor asks

@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#pipeline_actorpy--pipeline_learnerpy
+# docs and experiment results: docs/pipeline.md
 """Pipeline RL, the learner: pop rollouts from a Redis queue, train on them, push the weights into every vLLM server.
 
 Pipeline RL splits GRPO's loop (grpo_gsm8k.py) into processes that do not wait for each other: pipeline_actor.py
@@ -52,6 +52,7 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -68,7 +69,10 @@ class Args:
     queue_key: str = "gsm8k_rollouts"
     """Redis list the actors push records to"""
     vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """vllm_sync_server.py servers to push the weights into (each with tensor_parallel_size 1)"""
+    """vllm_sync_server.py servers to push the weights into (any tensor-parallel size each)"""
+    sync_host: Optional[str] = None
+    """address the servers' workers reach this learner at, for the weight-sync group (default: this machine's end of
+    its connection to the first server)"""
     train_steps: int = 100
     """number of optimizer steps"""
     batch_size: int = 64
@@ -270,7 +274,30 @@ def lines(response):
     raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
 
-def init_weight_sync(urls: list[str], device) -> dict:
+def local_address(url: str) -> str:
+    """This machine's address on its route to the server: the local end of a connection to it (loopback for a server
+    on this machine). The address of our own host name can be 127.0.1.1, or an interface the server cannot reach."""
+    where = urllib.parse.urlsplit(url)
+    with socket.create_connection((where.hostname, where.port or 80), timeout=30) as s:
+        return s.getsockname()[0]
+
+
+def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
+    """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
+    blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
+    after the collective, and at the group's timeout torch's watchdog would end the whole process (its default error
+    handling) instead of raising. So on CUDA: poll is_completed(), check the work's exception, abort when late."""
+    while not all(work.is_completed() for work in works):
+        if time.monotonic() > deadline:
+            pg.abort()  # ends the pending NCCL kernels and frees the communicator
+            raise TimeoutError(f"{what} did not complete in time: the group was aborted")
+        time.sleep(0.001)
+    for work in works:
+        if work.exception() is not None:
+            raise RuntimeError(f"{what} failed: {work.exception()}")
+
+
+def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -> dict:
     """One collective group with the workers of all servers, this learner as rank 0, outside torch.distributed's
     default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
@@ -279,31 +306,42 @@ def init_weight_sync(urls: list[str], device) -> dict:
     dtypes = {info["dtype"] for info in infos}
     if len(dtypes) != 1:
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
+    for url, info in zip(urls, infos):  # NCCL on one end and gloo on the other never meet: say so before joining
+        if info["device"] != device.type:
+            raise RuntimeError(f"the server at {url} runs on {info['device']} and this learner on {device.type}: the "
+                               "weight sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
-    local = all(url.split("//")[1].startswith(("127.", "localhost")) for url in urls)
-    host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+    host = sync_host or local_address(urls[0])  # where the servers' workers connect to our store
     timeout = datetime.timedelta(seconds=300)
-    world_size = 1 + len(urls)  # rank 0 = this learner, rank 1 + k = server k's worker (tensor_parallel_size 1)
+    # rank 0 = this learner; server k's workers (its tensor-parallel size) take the next ranks, after those of servers
+    # 0..k-1: rank_offset is where they start
+    offsets = [1 + sum(info["workers"] for info in infos[:k]) for k in range(len(urls))]
+    world_size = 1 + sum(info["workers"] for info in infos)
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     wait_s = 2 * max(info["sync_timeout_s"] for info in infos) + 180  # a 2nd line: after a collective and one before
     answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size, "rank_offset":
-                                                      1 + k, "connections": connections}, stream=True, timeout=wait_s))
-               for k, url in enumerate(urls)]
+                                                      offset, "connections": connections}, stream=True, timeout=wait_s))
+               for url, offset in zip(urls, offsets)]
     [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
-    if device.type == "cuda":  # building our end completes the rendezvous of all ranks
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
-    else:
-        opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
-        opts._timeout, opts._threads = timeout, 2 * connections
-        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
-        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    try:
+        if device.type == "cuda":  # building our end completes the rendezvous of all ranks
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # a late peer must raise, not end the process
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
+            opts._timeout, opts._threads = timeout, 2 * connections
+            opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+            pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    except Exception as e:  # some workers never joined: the servers' second lines say why
+        why = [f"{url}: {next(a, {'error': 'no answer'}).get('error', 'joined')}" for url, a in zip(urls, answers)]
+        raise RuntimeError(f"the servers' workers did not join this learner's group at {host}:{port}: {why}") from e
     for url, a in zip(urls, answers):
         if (done := next(a))["status"] != "ok":
-            raise RuntimeError(f"{url}/init_communicator failed: {done}")
+            raise RuntimeError(f"{url}/init_communicator failed (this learner's group at {host}:{port}): {done}")
     return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device, "timeout_s": wait_s}
 
 
@@ -330,7 +368,10 @@ def push_weights(sync: dict, model, version: int) -> float:
         while ahead > 1 << 30:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
-    for _, work in inflight:
+    if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
+        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
+                      f"the weight push to {sync['urls']}")
+    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
     for url, a in zip(sync["urls"], answers):
         if (done := next(a))["status"] != "ok" or done["version"] != version:
@@ -376,6 +417,8 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no dropout, no shuffling)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"training on {device}" + ("" if device.type == "cuda" else " (no CUDA GPU visible: training on a GPU needs "
+                                     "torch built for CUDA and a CUDA 13 driver, see requirements.txt)"), flush=True)
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
     r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
     with_retries("PING", where, r.ping)
@@ -411,7 +454,7 @@ if __name__ == "__main__":
 
     # the servers' group, then our weights first: above every version the servers (and the queue) have seen
     print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
-    sync = init_weight_sync(args.vllm_urls, device)
+    sync = init_weight_sync(args.vllm_urls, device, args.sync_host)
     served = [requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["version"]
               for url in args.vllm_urls]
     version = max([version, *served]) + 1

@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#reinforce_math_fsdp2py
+# docs and experiment results: docs/reinforce_math_fsdp2.md
 """Grouped-advantage REINFORCE on MATH with FSDP2 under torchrun, in one file.
 
 Based on grpo_gsm8k.py; what changes and why:
@@ -13,7 +13,7 @@ Based on grpo_gsm8k.py; what changes and why:
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
       --gpu-memory-utilization 0.8 --max-num-seqs 32
   CUDA_VISIBLE_DEVICES=1,2,3 torchrun --nproc_per_node=3 reinforce_math_fsdp2.py --model Qwen/Qwen2.5-7B-Instruct \\
-      --limit 2048 --eval-before-start --rank0-only-output  # GPU 0 serves, GPUs 1-3 train; README.md's other flags are defaults
+      --limit 2048 --eval-before-start --rank0-only-output  # GPU 0 serves, GPUs 1-3 train; docs/reinforce_math_fsdp2.md's other flags are defaults
 """
 
 import datetime
@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
@@ -52,6 +53,9 @@ class Args:
     """host of vllm_sync_server.py"""
     vllm_port: int = 8000
     """port of vllm_sync_server.py"""
+    sync_host: Optional[str] = None
+    """address the server's workers reach rank 0 at, for the weight-sync group (default: rank 0's end of its
+    connection to the server)"""
     train_steps: int = 50
     """number of policy updates"""
     rollouts_per_update: int = 8
@@ -341,32 +345,62 @@ def lines(response):
         raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
     raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
-def init_weight_sync(url: str, device) -> dict:
+def local_address(url: str) -> str:
+    """This machine's address on its route to the server: the local end of a connection to it (loopback for a server
+    on this machine). The address of our own host name can be 127.0.1.1, or an interface the server cannot reach."""
+    where = urllib.parse.urlsplit(url)
+    with socket.create_connection((where.hostname, where.port or 80), timeout=30) as s:
+        return s.getsockname()[0]
+
+def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
+    """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
+    blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
+    after the collective, and at the group's timeout torch's watchdog would end the whole process (its default error
+    handling) instead of raising. So on CUDA: poll is_completed(), check the work's exception, abort when late."""
+    while not all(work.is_completed() for work in works):
+        if time.monotonic() > deadline:
+            pg.abort()  # ends the pending NCCL kernels and frees the communicator
+            raise TimeoutError(f"{what} did not complete in time: the group was aborted")
+        time.sleep(0.001)
+    for work in works:
+        if work.exception() is not None:
+            raise RuntimeError(f"{what} failed: {work.exception()}")
+
+def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
     info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    if info["device"] != device.type:  # NCCL on one end and gloo on the other never meet: say so before joining
+        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
+                           "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
-    host = "127.0.0.1" if url.split("//")[1].startswith(("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
-    timeout, world_size = datetime.timedelta(seconds=300), 2  # world: this trainer + one server worker (TP 1)
+    host = sync_host or local_address(url)  # where the server's workers connect to our store
+    timeout = datetime.timedelta(seconds=300)
+    world_size = 1 + info["workers"]  # this trainer (rank 0) and every worker of the server (its tensor parallel size)
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     body = {"host": host, "port": port, "world_size": world_size, "connections": connections}  # the server's end alike
     wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after its collective and one queued before
     answer = lines(post(url, "/init_communicator", body, stream=True, timeout=wait_s))
     next(answer)  # "joining": the server's workers are connecting to our store now
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
-    else:
-        opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
-        opts._timeout, opts._threads = timeout, 2 * connections
-        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
-        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    try:
+        if device.type == "cuda":  # a late peer must raise here, not end the process: see wait_or_abort
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read by the next ProcessGroupNCCL
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()  # the broadcasts spread over `connections` TCP connections
+            opts._timeout, opts._threads = timeout, 2 * connections
+            opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
+            pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    except Exception as e:  # the workers never joined: the server's second line says why
+        raise RuntimeError(f"the workers of {url} did not join this trainer's group at {host}:{port}: "
+                           f"{next(answer, {}).get('error', e)}") from e
     if (done := next(answer))["status"] != "ok":
-        raise RuntimeError(f"{url}/init_communicator failed: {done}")
+        raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
 def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
@@ -394,7 +428,11 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
         while ahead > 1 << 30:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
-    [work.wait() for _, work in inflight]
+    if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
+        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
+                      f"the weight push to {sync['url']}")
+    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
+        work.wait()
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
@@ -525,7 +563,7 @@ if __name__ == "__main__":
         step, version, data_pos = state["step"], state["version"], state["data_pos"]
         torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
         log.info("resumed from %s at step %d", path, step)
-    sync = init_weight_sync(url, device) if rank == 0 else None  # rank 0 alone talks to the server, outside the torchrun group
+    sync = init_weight_sync(url, device, args.sync_host) if rank == 0 else None  # rank 0 alone talks to the server, outside the torchrun group
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
         rows = test[rank::world_size]

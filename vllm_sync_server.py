@@ -1,8 +1,9 @@
+# docs and experiment results: docs/vllm_sync_server.md
 """vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
 
 vLLM's async engine (V1) runs in this process next to the HTTP routes. The trainer is rank 0 of a collective group it
 owns; this server's workers join it. /init_communicator and /update_param_batch answer in two JSON lines: the first
-tells the trainer to enter the collective now, the second reports the result. Details: README.md#vllm_sync_serverpy
+tells the trainer to enter the collective now, the second reports the result. Details: docs/vllm_sync_server.md
 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
@@ -48,6 +49,21 @@ class Args:
     """uvicorn log level"""
 
 
+def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
+    """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
+    blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
+    after the collective, and at the group's timeout torch's watchdog would end the whole process (its default error
+    handling) instead of raising. So on CUDA: poll is_completed(), check the work's exception, abort when late."""
+    while not all(work.is_completed() for work in works):
+        if time.monotonic() > deadline:
+            pg.abort()  # ends the pending NCCL kernels and frees the communicator
+            raise TimeoutError(f"{what} did not complete in time: the group was aborted")
+        time.sleep(0.001)
+    for work in works:
+        if work.exception() is not None:
+            raise RuntimeError(f"{what} failed: {work.exception()}")
+
+
 class WeightSyncWorker:
     """Mixed into every vLLM worker (worker_extension_cls). Method names start with `sync_` so they never collide
     with the Worker's own. Called with engine.collective_rpc between engine steps."""
@@ -58,8 +74,15 @@ class WeightSyncWorker:
         self.sync_close_communicator()
         rank, timeout = rank_offset + self.rank, datetime.timedelta(seconds=timeout_s)
         # A group of its own, outside init_process_group (vLLM's groups, the trainer's torchrun group): rank 0 hosts the store
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-        if self.device.type == "cuda":
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        except Exception as e:  # the trainer advertised an address this machine cannot reach (or it died)
+            raise RuntimeError(f"worker {self.rank} could not reach the trainer's store at {host}:{port} within "
+                               f"{timeout_s} s (is that the trainer's address on the route to this server? "
+                               f"set it with the trainer's --sync-host): {e}") from e
+        self._sync_timeout_s = timeout_s
+        if self.device.type == "cuda":  # a late trainer must raise here, not end the engine: see wait_or_abort
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read by the next ProcessGroupNCCL
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self._sync_pg, self._sync_store = dist.ProcessGroupNCCL(store, rank, world_size, opts), store
@@ -113,6 +136,8 @@ class WeightSyncWorker:
                     parts = [f"{prefix}.{p}.{kind}" for p in packed[leaf]] if leaf in packed else [f"{mod_name}.{kind}"]
                     if all(p in hf_shapes for p in parts):  # else not a checkpoint tensor (e.g. a rotary cache)
                         sizes = [hf_shapes[p][0] // (tp if leaf in packed else 1) for p in parts]
+                        if len(parts) == 1 and sizes[0] > len(t):  # a TP slice of a vocabulary: all its rows (the
+                            sizes = [len(t)]  # checksum gathers the slices and cuts the padding)
                         if sum(sizes) <= len(t):  # (an embedding may have padding rows; a TP shard of one has fewer)
                             self._sync_targets.update(zip(parts, torch.split(t.data[: sum(sizes)], sizes)))
             if "lm_head.weight" not in self._sync_targets and "model.embed_tokens.weight" in self._sync_targets:
@@ -135,12 +160,16 @@ class WeightSyncWorker:
             raise RuntimeError("no communicator")
         torch.cuda.synchronize() if self.device.type == "cuda" else None  # an earlier step's kernels may still read the weights
         direct = direct and self._sync_exact
+        deadline = time.monotonic() + self._sync_timeout_s
         def arriving():  # yields (name, tensor) in order while later ones travel: all posted, or 1 GiB of new buffers
             posted, ahead = [], 0
             for p in params + [None]:
                 while posted and (p is None or (not direct and ahead > 1 << 30)):  # (direct: no new memory)
                     name, t, work = posted.pop(0)
-                    work.wait()
+                    if self.device.type == "cuda":  # NCCL: a bounded wait that raises (gloo's wait() does both)
+                        wait_or_abort([work], deadline, self._sync_pg, f"receiving {name}")
+                    else:
+                        work.wait()
                     ahead -= t.nbytes
                     yield name, t
                 if p is not None:  # direct: straight into the engine's tensor (a row block of a fused one)
@@ -179,10 +208,20 @@ class WeightSyncWorker:
                 self.sync_prepare()  # on CPU the reload packed the embedding's lm_head GEMM again
 
     def sync_checksums(self) -> dict[str, str]:
-        """sha256 of every weight the engine computes with, under Hugging Face names (with TP: this worker's shards)."""
+        """sha256 of every weight the engine computes with, under Hugging Face names. With tensor parallelism a worker
+        holds a slice of a tensor along the one dimension where its shape differs from the checkpoint's: the workers
+        gather the slices (every worker runs this RPC, in the same order) and hash the whole tensor, as a trainer does
+        (a padded vocabulary is cut back to the checkpoint's size)."""
         import torch
-        return {name: hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
-                for name, t in self._sync_targets.items()}
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+        sums, tp = {}, get_tensor_model_parallel_world_size()
+        for name, t in self._sync_targets.items():
+            full = self._sync_shapes[name]
+            if tp > 1 and list(t.shape) != full:
+                dim = next(d for d, (a, b) in enumerate(zip(t.shape, full)) if a != b)
+                t = tensor_model_parallel_all_gather(t.contiguous(), dim=dim).narrow(dim, 0, full[dim])
+            sums[name] = hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
+        return sums
 
 
 def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_server.QuietExecutor (CPU, see main)
@@ -216,7 +255,7 @@ def main(args: Args) -> None:
     import torch
     import uvicorn  # the heavy imports wait until here: --help stays fast
     from fastapi import Depends, FastAPI, HTTPException, Request
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from huggingface_hub import snapshot_download
     from pydantic import BaseModel, Field
     from transformers import AutoTokenizer
@@ -246,6 +285,9 @@ def main(args: Args) -> None:
         ctx["gate"].set()  # a push goes into an idle engine (update_param_batch)
         ctx["limits"] = {"max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs,  # what /generate accepts
                          "max_model_len": engine.vllm_config.model_config.max_model_len}
+        # what a trainer needs to build its end of the group: one rank per worker, and the same backend (NCCL on GPU)
+        ctx["group"] = {"workers": engine.vllm_config.parallel_config.world_size,
+                        "device": "cuda" if torch.cuda.is_available() else "cpu"}
         path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
         if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
@@ -268,9 +310,11 @@ def main(args: Args) -> None:
         return (await ctx["engine"].collective_rpc(method, timeout=args.sync_timeout_s + 60, args=rpc_args))[0]
 
     @app.get("/health")
-    async def health():  # dtype: what /update_param_batch expects on the wire; the limits of /generate
+    async def health():  # dtype: what /update_param_batch expects on the wire; the limits of /generate; the group's size
+        if ctx["engine"].errored:  # its process died (a crash, a kill, NCCL's watchdog): never answer "ok"
+            return JSONResponse({"status": "dead", "error": "vLLM's engine process is dead: restart the server"}, 503)
         return {"status": "ok", "model": args.model, "dtype": ctx["dtype"], "sync_timeout_s": args.sync_timeout_s,
-                **ctx["limits"]}
+                **ctx["limits"], **ctx["group"]}
     @app.get("/runtime_version")
     async def runtime_version():
         return {k: state[k] for k in ("version", "updating", "communicator", "last_error")}
@@ -326,7 +370,7 @@ def main(args: Args) -> None:
         host: str; port: int; world_size: int; rank_offset: int = 1; connections: int = Field(1, ge=1, le=64)
     @app.post("/init_communicator")
     async def init_communicator(req: InitRequest):
-        tp, lo = args.tensor_parallel_size, req.rank_offset
+        tp, lo = ctx["group"]["workers"], req.rank_offset
         if lo < 1 or req.world_size < lo + tp:
             raise HTTPException(400, f"world_size {req.world_size} has no room for ranks {lo}..{lo + tp - 1} of this "
                                      f"server's {tp} worker(s)")

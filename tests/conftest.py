@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import requests
@@ -47,6 +48,27 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
+
+
+SERVER_LOGS: dict[str, str] = {}  # url -> log file of a server started by a session fixture
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory) -> str:
+    """The learnable toy model: a 128-token vocabulary in which each `\\boxed{d}` is one token."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("toy_model") / "toy"), vocab_size=128, byte_alphabet=False)
+
+
+@pytest.fixture(scope="session")
+def tp2_server(toy_model, tmp_path_factory):
+    """A tensor-parallel server (--tensor-parallel-size 2) of the toy model: two CPU workers, one core each
+    (VLLM_CPU_OMP_THREADS_BIND="0|1"; without it vLLM refuses two CPU workers on one NUMA node). Started once."""
+    log = str(tmp_path_factory.mktemp("tp2_server") / "server.log")
+    with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}):
+        proc, url = start_server(toy_model, log, "--tensor-parallel-size", "2", timeout=360)
+    SERVER_LOGS[url] = log
+    yield url
+    stop_server(proc)
 
 
 def start_server(model: str, log_path: str, *extra: str, port: int | None = None, timeout: float = 240):

@@ -133,6 +133,37 @@ def test_rollout_seeds_are_distinct_by_construction():
     assert max(G.rollout_seed(2**23 - 1, 10**9, 64), G.eval_seed(2**23 - 1, 10**9)) < 2**63
 
 
+def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_path):
+    """--vllm-gpu counts among this process's visible GPUs, as torch does: with CUDA_VISIBLE_DEVICES=4,5 the server
+    gets GPU 4 (not the machine's GPU 0, outside the user's set), with 1,0 and --vllm-gpu 1 it gets GPU 0."""
+    import tyro
+
+    launched = []
+
+    class Exited:  # the launch is recorded, then the "server" exits at once
+        pid, returncode = 0, 1
+
+        def __init__(self, cmd, env, **kw):
+            launched.append(env["CUDA_VISIBLE_DEVICES"])
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    for visible, gpu, want in [("4,5", "0", "4"), ("1,0", "1", "0"), (None, "2", "2")]:
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        args = tyro.cli(G.Args, args=["--vllm-gpu", gpu, "--start-server"])
+        with pytest.raises(RuntimeError, match="exited"):
+            G.start_vllm_server(args, str(tmp_path / "server.log"))
+        assert launched[-1] == want, (visible, gpu, launched)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(SystemExit, match="1 GPU"):
+        G.physical_gpu(1)
+
+
 def test_pack_micro_batches():
     lengths = [5, 300, 40, 41, 290, 7, 100, 120, 8]
     batches = G.pack_micro_batches(lengths, 400)
@@ -259,6 +290,14 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
         diff = max((runs["48"][k] - runs["100000"][k]).abs().max().item() for k in base)
         moved = max((runs["48"][k] - base[k]).abs().max().item() for k in base)
         assert diff < 1e-2 * moved, (loss_type, diff, moved)
+
+
+def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
+    """Against a server with two workers (tensor parallel 2) the script sizes its group from /health: every push
+    reaches both workers (--verify-sync checks the weights they compute with), and the logprobs still agree."""
+    _, m = run_script(tp2_server, tmp_path, "--train-steps", "2", "--verify-sync", model=toy_model)
+    assert [int(x["version"]) for x in m] == [1, 2]
+    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

