@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, logprob_gap, sha256, start_server, stop_server
+from conftest import PY, ROOT, free_port, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
 import reinforce_math_fsdp2 as R  # noqa: E402
@@ -78,6 +78,71 @@ def test_help_under_torchrun_prints_once_and_fast():
     assert (r.stdout + r.stderr).count("For full helptext") == 1  # the error is printed once, by rank 0
 
 
+def test_param_dtype_applies_on_one_rank(tiny_model):
+    """One process gets FSDP2's mixed precision too: the lm_head computes in --param-dtype; the master weights and
+    their gradients stay fp32. In fp32, the gradients equal plain autograd's on the Hugging Face model (the one-process
+    run is the reference of the 2-rank one in test_fsdp2_end_to_end)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    ids, at = torch.tensor([[5, 17, 33, 2, 91, 7]]), torch.tensor([1, 2, 3, 4])
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    R.token_logprobs(ref, ids, torch.ones_like(ids), at).sum().backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dtype in ("bfloat16", "float32"):
+            model, seen = R.setup_model(tiny_model, dtype, True, torch.device("cpu")), []
+            model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].dtype))
+            model.token_logprobs(ids, torch.ones_like(ids), at).sum().backward()
+            assert seen and set(seen) == {getattr(torch, dtype)}, (dtype, seen)
+            assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-6
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup_on_rank(rank, port, model_dir, out):
+    """One rank of test_setup_loads_on_rank0_and_shards_the_checkpoint (spawned)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    loads, from_pretrained = [], AutoModelForCausalLM.from_pretrained
+    AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or from_pretrained(*a, **k)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = R.setup_model(model_dir, "float32", True, torch.device("cpu"))
+    got = {"loads": len(loads), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+           "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
+           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
+    with torch.no_grad():
+        got["logprobs"] = model.token_logprobs(ids, torch.ones_like(ids), torch.arange(10))
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
+    """2 ranks (gloo): rank 0 alone reads the checkpoint; right after setup every rank holds its shard of the
+    checkpoint's weights (dim 0, in rank order), the rotary buffers, and one tied embedding; the logprobs of both
+    ranks equal those of the plain Hugging Face model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.multiprocessing.spawn(_setup_on_rank, args=(free_port(), tiny_model, str(tmp_path)), nprocs=2)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
+    with torch.no_grad():
+        want = R.token_logprobs(ref, ids, torch.ones_like(ids), torch.arange(10))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [g["loads"] for g in got] == [1, 0] and all(g["tied"] for g in got)
+    full = dict(ref.named_parameters())
+    for n, p in full.items():
+        assert all(torch.equal(g["shards"][n], p.detach().chunk(2)[r]) for r, g in enumerate(got)), n
+    assert all(torch.equal(g["buffers"][n], b) for g in got for n, b in ref.named_buffers())
+    assert all((g["logprobs"] - want).abs().max().item() < 1e-6 for g in got)
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A 128-token tiny model in which `\\boxed{7}` is one token, and MATH-schema problems whose answer is
@@ -138,7 +203,7 @@ def test_fsdp2_end_to_end(toy, tmp_path):
     got = requests.get(url + "/weights_checksum").json()["checksums"]
     assert all(got[k] == sha256(w2[k]) for k in got)
 
-    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process without FSDP (same prompts, same
+    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process (FSDP over one rank; same prompts, same
     # seeds, so the same completions; the loss normalised by the global token count)
     _, m1 = run(url, model, tmp_path / "single", "--train-steps", "1", "--rollouts-per-update", "8", nproc=0)
     a, b = weights(ck / "step_1"), weights(tmp_path / "single" / "checkpoints_math_fsdp2" / "step_1")
