@@ -3,7 +3,8 @@
 
 Based on grpo_gsm8k.py; what changes and why:
   - the trainer is sharded with FSDP2 over torchrun's GPUs: bf16 parameters, fp32 gradient reductions, activation
-    checkpointing, gradient sync on the last micro-batch only; each rank generates and grades its own share of the prompts;
+    checkpointing, gradient sync on the last micro-batch only (or each: --reduce-every-micro-batch); each rank
+    generates and grades its own share of the prompts;
   - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL),
     loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
   - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
@@ -80,6 +81,10 @@ class Args:
     """FSDP2 compute dtype of the parameters (gradients are reduced in fp32 either way)"""
     activation_checkpointing: bool = True
     """recompute each decoder layer in backward instead of storing its activations"""
+    reduce_every_micro_batch: bool = False
+    """reduce-scatter gradients after every micro-batch: a reduce-scatter of all gradients per micro-batch instead of
+    one per step, but no unsharded fp32 gradient of the whole model held on every rank between micro-batches
+    (4 bytes per parameter whatever the number of ranks: README.md's memory table)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the gathered weights"""
     eval_before_start: bool = False
@@ -566,8 +571,8 @@ if __name__ == "__main__":
         optimizer.zero_grad(set_to_none=True)
         for m in range(int(n_micro)):
             idx = micro[m] if m < len(micro) else micro[0]  # an empty turn reuses a micro-batch with weight 0
-            if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter gradients once, after the last
-                model.set_requires_gradient_sync(m == n_micro - 1)
+            # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
+            model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
             flat = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], the sampler's policy
             logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]

@@ -176,18 +176,35 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_fsdp2_end_to_end(toy, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(toy, tmp_path_factory):
+    """The 2-rank run of test_fsdp2_end_to_end, also the reference of the tests that compare its first step: 2 ranks x
+    4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last), activation
+    checkpointing on (the default), every push verified against the server's checksums. Returns (workdir, output,
+    metrics); test_fsdp2_end_to_end resumes it to step 3 (steps 1 and 2 stay)."""
     url, model = toy
-    # 2 ranks x 4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last),
-    # activation checkpointing on (the default), every push verified against the server's checksums
-    out, m = run(url, model, tmp_path / "fsdp", "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
+    path = tmp_path_factory.mktemp("fsdp")
+    out, m = run(url, model, path, "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
                  "--eval-every", "2", "--eval-limit", "4", "--rank0-only-output")
+    return path, out, m
+
+
+def step_1(path):
+    """Step 1 of the run in `path`: per rank, its rollouts (problem, completion, seed, reward); and the weights."""
+    rows = [[(x["problem"], x["completion"], x["seed"], x["reward"]) for x in map(json.loads, open(
+        path / f"fsdp2_math_rollouts.rank{r}.jsonl")) if x["step"] == 1] for r in (0, 1)]
+    return rows, weights(path / "checkpoints_math_fsdp2" / "step_1")
+
+
+def test_fsdp2_end_to_end(toy, fsdp_run, tmp_path):
+    url, model = toy
+    path, out, m = fsdp_run
     assert [x["version"] for x in m] == ["1", "2"] and "eval/accuracy" in m[1]
     assert float(m[0]["grad_norm"]) > 0  # rewards varied: a real gradient
     # alignment under FSDP2: the trainer's fp32 logprobs of the sampled tokens equal vLLM's (mean |diff|)
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), [x["logprob_mismatch"] for x in m]
     assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
-    ck = tmp_path / "fsdp" / "checkpoints_math_fsdp2"
+    ck = path / "checkpoints_math_fsdp2"
     assert sorted(os.listdir(ck)) == ["step_1", "step_2"]
     # rank 0 alone wrote the Hugging Face checkpoint; each rank wrote its shards of the trainer state
     assert "[rank1] INFO saved" in out and len([x for x in os.listdir(ck / "step_2" / "trainer") if x.endswith(".distcp")]) == 2
@@ -195,7 +212,7 @@ def test_fsdp2_end_to_end(toy, tmp_path):
 
     AutoModelForCausalLM.from_pretrained(ck / "step_2")
     for r in (0, 1):
-        rows = [json.loads(x) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+        rows = [json.loads(x) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
         assert len(rows) == 2 * 4 * 8 and {x["rank"] for x in rows} == {r}
     # the server holds exactly the gathered weights of the last step
     w2 = weights(ck / "step_2")
@@ -214,12 +231,24 @@ def test_fsdp2_end_to_end(toy, tmp_path):
     assert max((a[k] - base[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
 
     # --resume continues at step 3 from the sharded state, pushing the checkpoint's weights first
-    out, m3 = run(url, model, tmp_path / "fsdp", "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
+    out, m3 = run(url, model, path, "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
     assert "resumed from checkpoints_math_fsdp2/step_2 at step 2" in out and [x["version"] for x in m3] == ["3"]
     assert set(os.listdir(ck)) == {"step_1", "step_2", "step_3"}
     # every sample of the run, over ranks, steps and the resume, drew its own random stream
-    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
     assert len(seeds) == 3 * 2 * 4 * 8 and len(set(seeds)) == len(seeds)
+
+
+def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
+    """--reduce-every-micro-batch (a reduce-scatter after each micro-batch) makes the update of the default (one after
+    the last, the gradients accumulated unsharded meanwhile): step 1 of fsdp_run, fp32, 2 ranks, several micro-batches
+    per rank."""
+    url, model = toy
+    run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--reduce-every-micro-batch")
+    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    assert rows == ref_rows  # the same samples, so the same gradient is due
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max((a[k] - weights(model)[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
