@@ -485,6 +485,7 @@ if __name__ == "__main__":
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30), **one)
     logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
     log = logging.getLogger("reinforce_math_fsdp2")
+    log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
     def all_sum(*xs: float, op=None) -> list[float]:
         t = torch.tensor(xs, dtype=torch.float64, device=device)
         if world_size > 1:

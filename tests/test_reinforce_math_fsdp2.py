@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -155,19 +156,29 @@ def toy(tmp_path_factory):
     stop_server(proc)
 
 
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4"):
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
+    """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
+    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster."""
     data = os.path.join(FIXTURES, "math_toy")
-    cmd = ([TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]) + [
+    launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
+    if nodes > 1:
+        rdzv = f"127.0.0.1:{free_port()}"
+        launch = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={n}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={rdzv}"] for n in range(nodes)]
+    cmd = [
         os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--model", model, "--dataset", data, "--eval-dataset", data,
         "--vllm-port", url.rsplit(":", 1)[1], "--max-completion-tokens", "16", "--group-size", "8",
         "--learning-rate", lr, "--system-prompt", "", "--no-strict-format", "--param-dtype", "float32",
         "--micro-token-budget", "64", "--eval-every", "0", "--save-every", "1", *extra]
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in launch]  # no pipe fills up
+    procs = [subprocess.Popen(prefix + cmd, cwd=workdir, stdout=o, stderr=e, text=True) for prefix, (o, e) in zip(launch, files)]
+    codes = [p.wait(timeout=900) for p in procs]
+    stdout, stderr = ("".join(f.seek(0) or f.read() for f in fs) for fs in zip(*files))
+    assert codes == [0] * len(procs), stdout[-3000:] + stderr[-6000:]
     metrics = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-               for line in r.stdout.splitlines() if re.match(r"step \d+: ", line)]
-    return r.stdout + r.stderr, metrics
+               for line in stdout.splitlines() if re.match(r"step \d+: ", line)]
+    return stdout + stderr, metrics
 
 
 def weights(path):
@@ -249,6 +260,22 @@ def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
     assert rows == ref_rows  # the same samples, so the same gradient is due
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert max((a[k] - weights(model)[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
+
+
+def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
+    """Two torchrun launchers (--nnodes 2, one process each, a c10d rendezvous, one shared directory) make step 1 of
+    fsdp_run (2 processes on one node): the same samples on the same RANK, the same weights; rank 0 alone prints; each
+    rank logs under its RANK, and LOCAL_RANK (the device index on GPUs) is 0 on both nodes."""
+    url, model = toy
+    out, m = run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--rank0-only-output",
+                 nproc=1, nodes=2)
+    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert out.count("done: 1 steps") == 1 and len(m) == 1
+    assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
+    assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run[1]  # the reference: one node, two local ranks
+    assert "[rank1] INFO saved" in out and len(os.listdir(tmp_path / "checkpoints_math_fsdp2" / "step_1" / "trainer")) == 5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
