@@ -3,7 +3,8 @@
 
 Based on grpo_gsm8k.py; what changes and why:
   - the trainer is sharded with FSDP2 over torchrun's GPUs: bf16 parameters, fp32 gradient reductions, activation
-    checkpointing, gradient sync on the last micro-batch only; each rank generates and grades its own share of the prompts;
+    checkpointing, gradient sync on the last micro-batch only (or each: --reduce-every-micro-batch); each rank
+    generates and grades its own share of the prompts;
   - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL),
     loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
   - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
@@ -84,6 +85,10 @@ class Args:
     """FSDP2 compute dtype of the parameters (gradients are reduced in fp32 either way)"""
     activation_checkpointing: bool = True
     """recompute each decoder layer in backward instead of storing its activations"""
+    reduce_every_micro_batch: bool = False
+    """reduce-scatter gradients after every micro-batch: a reduce-scatter of all gradients per micro-batch instead of
+    one per step, but no unsharded fp32 gradient of the whole model held on every rank between micro-batches
+    (4 bytes per parameter whatever the number of ranks: README.md's memory table)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the gathered weights"""
     eval_before_start: bool = False
@@ -298,19 +303,40 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
     return ids, attn, mask, at
 
 # TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
-def shard_model(model, param_dtype: str, world_size: int):
-    """FSDP2: shard each decoder layer, then the root (embeddings, final norm, lm_head). Each layer's parameters are
-    all-gathered just before it runs and freed after: one layer is whole at a time. Compute in `param_dtype`; gradients
-    are reduce-scattered in fp32 (bf16 sums over ranks lose precision). fp32 master weights and AdamW state stay sharded."""
+def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, device):
+    """FSDP2 at any world size, one rank included (the same mixed precision everywhere); call on every rank of the
+    default process group. Rank 0 alone reads the checkpoint (fp32, host RAM); the others build the model on the meta
+    device. Each decoder layer is sharded, then the root (embeddings, final norm, lm_head): a layer's parameters are
+    all-gathered just before it runs and freed after. Rank 0 then broadcasts each full tensor and every rank keeps its
+    shard (tied embeddings stay one parameter), and the buffers (rotary frequencies). Compute in `param_dtype`;
+    gradients are reduce-scattered in fp32 (bf16 sums over ranks lose precision). fp32 master weights and AdamW state
+    stay sharded."""
     import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    if world_size > 1:
-        mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if dist.get_rank() == 0:  # the full state dict keeps the CPU tensors once fully_shard has swapped in the shards
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        full = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        full = {}
+    model.train()
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)  # storage for the shards; set_model_state_dict fills it
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buf in model.buffers():  # non-persistent, so not in a state dict: rank 0 computed them, the others hold garbage
+        dist.broadcast(buf, src=0)
     # training calls token_logprobs, not forward: let FSDP run its pre/post-forward hooks (all-gather the root's
-    # parameters, set up the backward reduce-scatter) around it too. A no-op without FSDP.
+    # parameters, set up the backward reduce-scatter) around it too
     model.token_logprobs = token_logprobs.__get__(model)
     register_fsdp_forward_method(model, "token_logprobs")
     return model
@@ -504,17 +530,18 @@ if __name__ == "__main__":
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
     world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    one = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}  # plain python
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30), **one)
     logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
     log = logging.getLogger("reinforce_math_fsdp2")
+    log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
     def all_sum(*xs: float, op=None) -> list[float]:
         t = torch.tensor(xs, dtype=torch.float64, device=device)
         if world_size > 1:
@@ -547,10 +574,7 @@ if __name__ == "__main__":
         text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     # model: fp32 master weights, sharded; AdamW on the shards
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
-    if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = shard_model(model, args.param_dtype, world_size)
+    model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     step, version, data_pos = 0, 0, 0
     ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
@@ -604,8 +628,8 @@ if __name__ == "__main__":
         optimizer.zero_grad(set_to_none=True)
         for m in range(int(n_micro)):
             idx = micro[m] if m < len(micro) else micro[0]  # an empty turn reuses a micro-batch with weight 0
-            if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter gradients once, after the last
-                model.set_requires_gradient_sync(m == n_micro - 1)
+            # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
+            model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
             flat = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], the sampler's policy
             logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
@@ -667,6 +691,5 @@ if __name__ == "__main__":
                         "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer", f"rank{rank}.pt"))
             log.info("saved %s", path)
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
-    if world_size > 1:
-        dist.barrier()  # a rare abort at exit was seen without it
-        dist.destroy_process_group()
+    dist.barrier()  # a rare abort at exit was seen without it
+    dist.destroy_process_group()

@@ -6,12 +6,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, logprob_gap, sha256, start_server, stop_server
+from conftest import PY, ROOT, free_port, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
 import reinforce_math_fsdp2 as R  # noqa: E402
@@ -78,6 +79,71 @@ def test_help_under_torchrun_prints_once_and_fast():
     assert (r.stdout + r.stderr).count("For full helptext") == 1  # the error is printed once, by rank 0
 
 
+def test_param_dtype_applies_on_one_rank(tiny_model):
+    """One process gets FSDP2's mixed precision too: the lm_head computes in --param-dtype; the master weights and
+    their gradients stay fp32. In fp32, the gradients equal plain autograd's on the Hugging Face model (the one-process
+    run is the reference of the 2-rank one in test_fsdp2_end_to_end)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    ids, at = torch.tensor([[5, 17, 33, 2, 91, 7]]), torch.tensor([1, 2, 3, 4])
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    R.token_logprobs(ref, ids, torch.ones_like(ids), at).sum().backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dtype in ("bfloat16", "float32"):
+            model, seen = R.setup_model(tiny_model, dtype, True, torch.device("cpu")), []
+            model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].dtype))
+            model.token_logprobs(ids, torch.ones_like(ids), at).sum().backward()
+            assert seen and set(seen) == {getattr(torch, dtype)}, (dtype, seen)
+            assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-6
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup_on_rank(rank, port, model_dir, out):
+    """One rank of test_setup_loads_on_rank0_and_shards_the_checkpoint (spawned)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    loads, from_pretrained = [], AutoModelForCausalLM.from_pretrained
+    AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or from_pretrained(*a, **k)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = R.setup_model(model_dir, "float32", True, torch.device("cpu"))
+    got = {"loads": len(loads), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+           "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
+           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
+    with torch.no_grad():
+        got["logprobs"] = model.token_logprobs(ids, torch.ones_like(ids), torch.arange(10))
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
+    """2 ranks (gloo): rank 0 alone reads the checkpoint; right after setup every rank holds its shard of the
+    checkpoint's weights (dim 0, in rank order), the rotary buffers, and one tied embedding; the logprobs of both
+    ranks equal those of the plain Hugging Face model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.multiprocessing.spawn(_setup_on_rank, args=(free_port(), tiny_model, str(tmp_path)), nprocs=2)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
+    with torch.no_grad():
+        want = R.token_logprobs(ref, ids, torch.ones_like(ids), torch.arange(10))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [g["loads"] for g in got] == [1, 0] and all(g["tied"] for g in got)
+    full = dict(ref.named_parameters())
+    for n, p in full.items():
+        assert all(torch.equal(g["shards"][n], p.detach().chunk(2)[r]) for r, g in enumerate(got)), n
+    assert all(torch.equal(g["buffers"][n], b) for g in got for n, b in ref.named_buffers())
+    assert all((g["logprobs"] - want).abs().max().item() < 1e-6 for g in got)
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A 128-token tiny model in which `\\boxed{7}` is one token, and MATH-schema problems whose answer is
@@ -90,19 +156,29 @@ def toy(tmp_path_factory):
     stop_server(proc)
 
 
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4"):
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
+    """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
+    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster."""
     data = os.path.join(FIXTURES, "math_toy")
-    cmd = ([TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]) + [
+    launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
+    if nodes > 1:
+        rdzv = f"127.0.0.1:{free_port()}"
+        launch = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={n}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={rdzv}"] for n in range(nodes)]
+    cmd = [
         os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--model", model, "--dataset", data, "--eval-dataset", data,
         "--vllm-port", url.rsplit(":", 1)[1], "--max-completion-tokens", "16", "--group-size", "8",
         "--learning-rate", lr, "--system-prompt", "", "--no-strict-format", "--param-dtype", "float32",
         "--micro-token-budget", "64", "--eval-every", "0", "--save-every", "1", *extra]
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in launch]  # no pipe fills up
+    procs = [subprocess.Popen(prefix + cmd, cwd=workdir, stdout=o, stderr=e, text=True) for prefix, (o, e) in zip(launch, files)]
+    codes = [p.wait(timeout=900) for p in procs]
+    stdout, stderr = ("".join(f.seek(0) or f.read() for f in fs) for fs in zip(*files))
+    assert codes == [0] * len(procs), stdout[-3000:] + stderr[-6000:]
     metrics = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-               for line in r.stdout.splitlines() if re.match(r"step \d+: ", line)]
-    return r.stdout + r.stderr, metrics
+               for line in stdout.splitlines() if re.match(r"step \d+: ", line)]
+    return stdout + stderr, metrics
 
 
 def weights(path):
@@ -111,18 +187,35 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_fsdp2_end_to_end(toy, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(toy, tmp_path_factory):
+    """The 2-rank run of test_fsdp2_end_to_end, also the reference of the tests that compare its first step: 2 ranks x
+    4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last), activation
+    checkpointing on (the default), every push verified against the server's checksums. Returns (workdir, output,
+    metrics); test_fsdp2_end_to_end resumes it to step 3 (steps 1 and 2 stay)."""
     url, model = toy
-    # 2 ranks x 4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last),
-    # activation checkpointing on (the default), every push verified against the server's checksums
-    out, m = run(url, model, tmp_path / "fsdp", "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
+    path = tmp_path_factory.mktemp("fsdp")
+    out, m = run(url, model, path, "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
                  "--eval-every", "2", "--eval-limit", "4", "--rank0-only-output")
+    return path, out, m
+
+
+def step_1(path):
+    """Step 1 of the run in `path`: per rank, its rollouts (problem, completion, seed, reward); and the weights."""
+    rows = [[(x["problem"], x["completion"], x["seed"], x["reward"]) for x in map(json.loads, open(
+        path / f"fsdp2_math_rollouts.rank{r}.jsonl")) if x["step"] == 1] for r in (0, 1)]
+    return rows, weights(path / "checkpoints_math_fsdp2" / "step_1")
+
+
+def test_fsdp2_end_to_end(toy, fsdp_run, tmp_path):
+    url, model = toy
+    path, out, m = fsdp_run
     assert [x["version"] for x in m] == ["1", "2"] and "eval/accuracy" in m[1]
     assert float(m[0]["grad_norm"]) > 0  # rewards varied: a real gradient
     # alignment under FSDP2: the trainer's fp32 logprobs of the sampled tokens equal vLLM's (mean |diff|)
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), [x["logprob_mismatch"] for x in m]
     assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
-    ck = tmp_path / "fsdp" / "checkpoints_math_fsdp2"
+    ck = path / "checkpoints_math_fsdp2"
     assert sorted(os.listdir(ck)) == ["step_1", "step_2"]
     # rank 0 alone wrote the Hugging Face checkpoint; each rank wrote its shards of the trainer state
     assert "[rank1] INFO saved" in out and len([x for x in os.listdir(ck / "step_2" / "trainer") if x.endswith(".distcp")]) == 2
@@ -130,7 +223,7 @@ def test_fsdp2_end_to_end(toy, tmp_path):
 
     AutoModelForCausalLM.from_pretrained(ck / "step_2")
     for r in (0, 1):
-        rows = [json.loads(x) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+        rows = [json.loads(x) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
         assert len(rows) == 2 * 4 * 8 and {x["rank"] for x in rows} == {r}
     # the server holds exactly the gathered weights of the last step
     w2 = weights(ck / "step_2")
@@ -138,7 +231,7 @@ def test_fsdp2_end_to_end(toy, tmp_path):
     got = requests.get(url + "/weights_checksum").json()["checksums"]
     assert all(got[k] == sha256(w2[k]) for k in got)
 
-    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process without FSDP (same prompts, same
+    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process (FSDP over one rank; same prompts, same
     # seeds, so the same completions; the loss normalised by the global token count)
     _, m1 = run(url, model, tmp_path / "single", "--train-steps", "1", "--rollouts-per-update", "8", nproc=0)
     a, b = weights(ck / "step_1"), weights(tmp_path / "single" / "checkpoints_math_fsdp2" / "step_1")
@@ -149,12 +242,40 @@ def test_fsdp2_end_to_end(toy, tmp_path):
     assert max((a[k] - base[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
 
     # --resume continues at step 3 from the sharded state, pushing the checkpoint's weights first
-    out, m3 = run(url, model, tmp_path / "fsdp", "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
+    out, m3 = run(url, model, path, "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
     assert "resumed from checkpoints_math_fsdp2/step_2 at step 2" in out and [x["version"] for x in m3] == ["3"]
     assert set(os.listdir(ck)) == {"step_1", "step_2", "step_3"}
     # every sample of the run, over ranks, steps and the resume, drew its own random stream
-    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(tmp_path / "fsdp" / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
     assert len(seeds) == 3 * 2 * 4 * 8 and len(set(seeds)) == len(seeds)
+
+
+def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
+    """--reduce-every-micro-batch (a reduce-scatter after each micro-batch) makes the update of the default (one after
+    the last, the gradients accumulated unsharded meanwhile): step 1 of fsdp_run, fp32, 2 ranks, several micro-batches
+    per rank."""
+    url, model = toy
+    run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--reduce-every-micro-batch")
+    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    assert rows == ref_rows  # the same samples, so the same gradient is due
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max((a[k] - weights(model)[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
+
+
+def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
+    """Two torchrun launchers (--nnodes 2, one process each, a c10d rendezvous, one shared directory) make step 1 of
+    fsdp_run (2 processes on one node): the same samples on the same RANK, the same weights; rank 0 alone prints; each
+    rank logs under its RANK, and LOCAL_RANK (the device index on GPUs) is 0 on both nodes."""
+    url, model = toy
+    out, m = run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--rank0-only-output",
+                 nproc=1, nodes=2)
+    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert out.count("done: 1 steps") == 1 and len(m) == 1
+    assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
+    assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run[1]  # the reference: one node, two local ranks
+    assert "[rank1] INFO saved" in out and len(os.listdir(tmp_path / "checkpoints_math_fsdp2" / "step_1" / "trainer")) == 5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
