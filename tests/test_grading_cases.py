@@ -8,6 +8,8 @@ Modules are imported by name from the repository root so that grade_batch's spaw
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -172,6 +174,45 @@ def test_grade_batch_backstop_kills_stuck_worker(module):
     assert elapsed < 30  # the backstop ended them (unkilled, each would run for minutes)
     assert len(set(_pids(m)) - set(pids)) == 2  # two workers were killed and replaced
     _check(_batch(module, [c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
+
+
+BUSY = """import hashlib, os, threading
+data = bytes(1 << 20)
+def spin():
+    while True:
+        hashlib.sha256(data)  # sha256 of 1 MB releases the GIL: every thread keeps a core busy
+for _ in range(os.cpu_count() - 1):
+    threading.Thread(target=spin, daemon=True).start()
+spin()
+"""
+
+
+def test_grade_batch_under_load_changes_no_verdict():
+    """The whole case file through a fresh pool of one copy, while 2 busy processes (each spinning one thread per
+    core, as an inference server's thread pool does) hold the cores: every verdict is the case file's. The limit is
+    1.5 CPU seconds, twice what the costliest case takes on a fresh worker on a quiet machine (0.75 s); a wall-clock
+    limit that tight turns those cases into parse errors here, where a worker gets a third of a core or less.
+    A fresh pool, so that no worker has these cases in sympy's cache already; the whole file takes 10-20 s."""
+    m = _load("grpo_gsm8k")
+    for w in m.GRADERS:  # a fresh pool
+        if w:
+            w[0].kill(), w[0].join(5)
+    m.GRADERS.clear()
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in busy)
+        t = time.monotonic()
+        grades = m.grade_batch([c["completion"] for c in CASES], [c["gold"] for c in CASES], timeout_s=1.5)
+        elapsed = time.monotonic() - t
+        assert all(p.poll() is None for p in busy)  # the load lasted the whole batch
+    finally:
+        for p in busy:
+            p.kill(), p.wait()
+    print(f"{len(CASES)} cases under 2 busy processes ({os.cpu_count()} threads each): {elapsed:.1f}s")
+    changed = [(i, CASES[i]["note"], tuple(g)) for i, (g, c) in enumerate(zip(grades, CASES))
+               if (g.correct, g.parse_error) != (c["correct"], c["parse_error"])]
+    assert changed == []
 
 
 @pytest.mark.parametrize("module", MODULES)
