@@ -149,12 +149,12 @@ def normalize_answer(s: str) -> str:
 
 
 def extract_answer(completion: str, strict_format: bool = False) -> Optional[str]:
-    """The answer that gets graded: the last box of the completion. With strict_format the completion must be
-    `<think>...</think>` then text holding the box; a box only inside the think block does not count."""
-    if strict_format:
-        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)  # the first </think> closes the block
+    """The answer that gets graded: the last box of the completion, or with strict_format the last box after the
+    think block (None where the format is broken: see grade)."""
+    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
         if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
-            return None  # no think block, an unclosed one, or stray tags after it
+            return None  # no think block, an unclosed one, or another think tag
         completion = m.group(2)
     return last_boxed(completion)
 
@@ -173,7 +173,12 @@ def grade(completion: str, gold: str, task: str, strict_format: bool = False, cp
     """Reward of one completion against a raw gold field of `task`. It may spend `cpu_s` seconds of this process's
     CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then scores 0 with
     parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a signal) or
-    through grade_batch."""
+    through grade_batch.
+    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
+    before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
+    `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
+    missing `</think>` and a box only inside the thinking: each is a parse error.
+    """
     import signal
     from math_verify import LatexExtractionConfig, parse, verify
 

@@ -171,15 +171,19 @@ def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float =
     """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare answer
     (MATH-500). It may spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load
     on the machine changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms are off.
-    Strict format: `<think>...</think>`, then the final \\boxed{} after `</think>`; a box only inside the thinking, a
-    missing `</think>` or no box is a parse error. Call it in a main thread (the limit is a signal) or through
-    grade_batch."""
+    Call it in a main thread (the limit is a signal) or through grade_batch.
+    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
+    before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
+    `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
+    missing `</think>` and a box only inside the thinking: each is a parse error.
+    """
     import signal
     from math_verify import LatexExtractionConfig, parse, verify
-    if strict_format:
-        if (m := re.fullmatch(r"\s*<think>.*?</think>(.*)", completion, re.S)) is None:
-            return Grade(0.0, False, True)
-        completion = m.group(1)  # only what follows the thinking can hold the answer
+    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
+        if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
+            return Grade(0.0, False, True)  # no think block, an unclosed one, or another think tag
+        completion = m.group(2)
     if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = last_boxed(gold) or gold.strip()

@@ -3,7 +3,9 @@
 The case file (tests/grading_cases.jsonl) holds facts transcribed from public grader test suites, each
 naming its source. Each module in MODULES carries its own copy of the grading block (CleanRL's rule:
 scripts copy, they do not import each other); all of them must pass every case and agree on all of them.
-Modules are imported by name from the repository root so that grade_batch's spawned workers can too.
+tests/grading_cases_strict.jsonl holds the strict <think> format's cases, written by hand from its rule, for
+the copies that grade it. Modules are imported by name from the repository root so that grade_batch's spawned
+workers can too.
 """
 
 import importlib
@@ -25,6 +27,8 @@ GRADE_ARGS = {"eval": ("math500",)}
 # reinforce_math_fsdp2 rewards the strict <think> format by default; the case file is about answers.
 GRADE_KW = {"reinforce_math_fsdp2": {"strict_format": False}}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
+STRICT_FILE = ROOT / "tests" / "grading_cases_strict.jsonl"
+STRICT_MODULES = {"reinforce_math_fsdp2": {}, "eval": {"strict_format": True}}  # the copies that grade the strict format
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -43,11 +47,13 @@ def _batch(name, *args, **kw):
 
 
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
+STRICT = [json.loads(line) for line in STRICT_FILE.read_text().splitlines() if line.strip()]
 
 
-def test_case_file_shape():
-    assert len(CASES) >= 170
-    for c in CASES:
+@pytest.mark.parametrize("cases", [CASES, STRICT], ids=["cases", "strict"])
+def test_case_file_shape(cases):
+    assert len(cases) >= (170 if cases is CASES else 20)
+    for c in cases:
         assert set(c) == {"completion", "gold", "correct", "parse_error", "source", "note"}
         assert not (c["correct"] and c["parse_error"])
 
@@ -65,6 +71,29 @@ def test_all_copies_agree():
     first = verdicts[MODULES[0]]
     for m, v in verdicts.items():
         assert v == first, [i for i, (a, b) in enumerate(zip(v, first)) if a != b]
+
+
+def _grade_strict(name, completion, gold):
+    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()), **STRICT_MODULES[name])
+
+
+@pytest.mark.parametrize("module", list(STRICT_MODULES))
+@pytest.mark.parametrize("case", STRICT, ids=[str(i) for i in range(len(STRICT))])
+def test_grade_strict(module, case):
+    g = _grade_strict(module, case["completion"], case["gold"])
+    assert (g.correct, g.parse_error) == (case["correct"], case["parse_error"]), case["note"]
+
+
+def test_all_strict_copies_agree():
+    """Every copy that grades the strict format gives every strict case the same verdict, through grade and through
+    grade_batch (the trainer's and the evaluation's path)."""
+    verdicts = {m: [tuple(_grade_strict(m, c["completion"], c["gold"])) for c in STRICT] for m in STRICT_MODULES}
+    for m, kw in STRICT_MODULES.items():
+        batch = _load(m).grade_batch([c["completion"] for c in STRICT], [c["gold"] for c in STRICT], timeout_s=5, **kw)
+        assert [tuple(g) for g in batch] == verdicts[m], m
+    first = verdicts["eval"]
+    for m, v in verdicts.items():
+        assert v == first, (m, [STRICT[i]["note"] for i, (a, b) in enumerate(zip(v, first)) if a != b])
 
 
 @pytest.mark.parametrize("module", MODULES)
