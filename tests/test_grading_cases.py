@@ -110,6 +110,7 @@ def test_extraction(module):
     assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"
     assert m.last_boxed(r"\boxed{\frac{\sqrt{3}}{2}}") == r"\frac{\sqrt{3}}{2}"
     assert m.normalize_answer("1,2") == "1,2" and m.normalize_answer("1,234,567") == "1234567"
+    assert m.normalize_answer("1,600 dollars") == "1600" and m.normalize_answer("1,25 apples") == "1,25 apples"
 
 
 # ---- grade_batch: CPU-time limit, wall-clock backstop, worker replacement, threads, load -----------
