@@ -61,16 +61,18 @@ def test_gsm8k_every_row(module, tmp_path):
 
 def test_math500_every_row_reinforce(tmp_path):
     """reinforce_math_fsdp2.py's gold is a row's `solution` (its last box): a strict completion boxing that box, or
-    the row's separate `answer` field (the same answer, often written differently), is correct."""
+    the row's separate `answer` field (the same answer, often written differently), is correct; so is the solution's
+    box against the bare `answer` as gold (which grade also takes), where no extraction can cancel out."""
     _need(MATH500)
     m = importlib.import_module("reinforce_math_fsdp2")
     rows = m.load_rows(_as_test_split(MATH500, tmp_path), "test")
     assert len(rows) == 500 and all(set(r) >= {"problem", "solution", "answer"} for r in rows)
-    golds = [r["solution"] for r in rows]  # as the script grades its evaluation rows
-    boxes = [m.last_boxed(g) for g in golds]
+    solutions, answers = [r["solution"] for r in rows], [r["answer"] for r in rows]  # solution: the script's gold
+    boxes = [m.last_boxed(g) for g in solutions]
     assert all(boxes)
-    for name, answers in (("solution's box", boxes), ("answer field", [r["answer"] for r in rows])):
-        comps = [f"<think>Let me solve it.</think>\nThe answer is $\\boxed{{{a}}}$." for a in answers]
+    for name, boxed, golds in (("solution's box", boxes, solutions), ("answer field", answers, solutions),
+                               ("solution's box vs bare answer", boxes, answers)):
+        comps = [f"<think>Let me solve it.</think>\nThe answer is $\\boxed{{{a}}}$." for a in boxed]
         grades = m.grade_batch(comps, golds, timeout_s=5.0)  # strict format, the default
         assert _rejects(grades, comps, golds) == [], name
 
