@@ -78,7 +78,11 @@ class Args:
     concurrency: int = 32
     """generation requests in flight"""
     grade_timeout_s: float = 5.0
-    """wall-clock limit for grading one completion"""
+    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
+    verdict); past them the completion scores 0 with parse_error"""
+    grade_backstop_s: float = 60.0
+    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
+    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,6 +92,14 @@ class Grade(NamedTuple):
     reward: float
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, bad format, unparsable, timed out
+
+
+class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
+    pass
+
+
+def on_cpu_limit(signum, frame):
+    raise CpuLimit
 
 
 def last_boxed(text: str) -> Optional[str]:
@@ -108,6 +120,7 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
     (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
@@ -126,23 +139,23 @@ def normalize_answer(s: str) -> str:
         s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
         m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
         s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
-        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        s = re.sub(r"^(" + BIG + "|" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 cats -> 7
         m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
         if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
             s = m.group(1)
-    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+    if re.fullmatch(BIG, s):  # 1,234 / 1 000 -> 1234 / 1000
         s = re.sub(r"[, ]", "", s)
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
 
 def extract_answer(completion: str, strict_format: bool = False) -> Optional[str]:
-    """The answer that gets graded: the last box of the completion. With strict_format the completion must be
-    `<think>...</think>` then text holding the box; a box only inside the think block does not count."""
-    if strict_format:
-        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)  # the first </think> closes the block
+    """The answer that gets graded: the last box of the completion, or with strict_format the last box after the
+    think block (None where the format is broken: see grade)."""
+    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
         if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
-            return None  # no think block, an unclosed one, or stray tags after it
+            return None  # no think block, an unclosed one, or another think tag
         completion = m.group(2)
     return last_boxed(completion)
 
@@ -157,34 +170,52 @@ def gold_answer(gold: str, task: str) -> str:
     return (last_boxed(gold) or gold) if re.search(r"\\(?:boxed|fbox)(?![a-zA-Z])", gold) else gold
 
 
-def grade(completion: str, gold: str, task: str, strict_format: bool = False) -> Grade:
-    """Reward of one completion against a raw gold field of `task`. Call it in a main thread (math-verify's
-    timeouts use signals) or through grade_batch."""
-    from math_verify import LatexExtractionConfig, errors, parse, verify
+def grade(completion: str, gold: str, task: str, strict_format: bool = False, cpu_s: float = 5.0) -> Grade:
+    """Reward of one completion against a raw gold field of `task`. It may spend `cpu_s` seconds of this process's
+    CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then scores 0 with
+    parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a signal) or
+    through grade_batch.
+    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
+    before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
+    `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
+    missing `</think>` and a box only inside the thinking: each is a parse error.
+    """
+    import signal
+    from math_verify import LatexExtractionConfig, parse, verify
 
     box = extract_answer(completion, strict_format)
     if box is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = gold_answer(gold, task)
     cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
     try:  # never str() a parsed object: printing a deep expression can hang
-        pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)
-        if not pred:
-            return Grade(0.0, False, True)
-        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
-        try:  # gold first: not symmetric. raise_on_error tells a timeout (parse error) from a plain "not equal"
-            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
-        except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
-            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
-    except (Exception, errors.TimeoutException):  # a BaseException
+        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
+            signal.setitimer(signal.ITIMER_PROF, cpu_s)
+            pred = parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)
+            if not pred:
+                return Grade(0.0, False, True)
+            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
+            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
+            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    except (Exception, CpuLimit):  # out of CPU time, or unparsable
         return Grade(0.0, False, True)
+    finally:
+        signal.signal(signal.SIGPROF, old_handler)
     return Grade(float(ok), bool(ok), False)
 
 
 def grade_worker(conn) -> None:
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", "math500")  # warm-up: imports sympy, builds math-verify's parsers (~1 s)
     conn.send(None)  # ready: the deadline of its first sample may start
-    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
+    while True:  # grading runs in this process's main thread, where grade's CPU-time signal works
         try:
             conn.send(tuple(grade(*conn.recv())))
         except EOFError:  # the evaluation is gone
@@ -195,8 +226,10 @@ GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started 
 
 
 def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
-                task: str = "math500", strict_format: bool = False) -> list[Grade]:
-    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed: its sample scores 0, parse_error.
+                task: str = "math500", strict_format: bool = False, backstop_s: float = 60.0) -> list[Grade]:
+    """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
+    0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
+    `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
@@ -215,10 +248,10 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
         for w, g in enumerate(GRADERS):
             if g and g[2] and w not in busy and todo and fresh < workers:
                 i, fresh = todo.pop(), fresh + 1
-                g[1].send((completions[i], golds[i], task, strict_format))
+                g[1].send((completions[i], golds[i], task, strict_format, timeout_s))
                 busy[w] = (i, now)  # the clock starts when the sample is handed out
         pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
-        wake = min((t + (slow_s if now - t < slow_s else timeout_s) for _, t in busy.values()), default=now + 60)
+        wake = min((t + (slow_s if now - t < slow_s else backstop_s) for _, t in busy.values()), default=now + 60)
         for conn in wait(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
@@ -230,7 +263,7 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
                 kill(w)
-        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= timeout_s]:
+        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= backstop_s]:
             kill(w)
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
@@ -401,9 +434,9 @@ if __name__ == "__main__":
     samples = [res["completions"] for res in results]  # [problems][n]
     texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
 
-    # 3) grade: every sample against its problem's gold, in worker processes with a wall-clock limit
+    # 3) grade: every sample against its problem's gold, in worker processes with a CPU-time limit
     grades = grade_batch(texts, [g for g in golds for _ in range(args.n)], args.grade_timeout_s,
-                         task=args.task, strict_format=args.strict_format)
+                         task=args.task, strict_format=args.strict_format, backstop_s=args.grade_backstop_s)
     per = lambda xs: [xs[i * args.n : (i + 1) * args.n] for i in range(len(rows))]  # noqa: E731  flat -> [problems][n]
     correct, parse_error = per([g.correct for g in grades]), per([g.parse_error for g in grades])
     tokens = [[len(c["token_ids"]) for c in cs] for cs in samples]

@@ -104,18 +104,29 @@ class Args:
     max_steps: Optional[int] = None
     """push this many groups, then exit (default: run until killed)"""
     grade_timeout_s: float = 5.0
-    """wall-clock limit for grading one completion"""
+    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
+    verdict); past them the completion scores 0 with parse_error"""
+    grade_backstop_s: float = 60.0
+    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
+    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
     log_every_s: float = 10.0
     """print a status line at most this often (0: after every push)"""
 
 
 # ---------------------------------------------------------------------------------------------------
 # Grading (copied from grpo_gsm8k.py): the last \boxed{} of the completion, normalised as a careful human
-# grader would, then math-verify. Runs in worker processes with a wall-clock limit per sample: never hangs.
+# grader would, then math-verify. Runs in worker processes with a CPU-time limit per sample (load changes no
+# verdict) and a wall-clock backstop: never hangs.
 class Grade(NamedTuple):
     reward: float
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
+    pass
+
+def on_cpu_limit(signum, frame):
+    raise CpuLimit
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
@@ -132,6 +143,7 @@ def last_boxed(text: str) -> Optional[str]:
     return None  # truncated or unbalanced
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
     (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
@@ -149,39 +161,51 @@ def normalize_answer(s: str) -> str:
         s = re.sub(r"^(.*\S)\s*\\text\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$", r"\1", s)  # 5\text{ cm}^2 -> 5
         m = re.match(r"^(" + NUM + r")\s*(thousand|million|billion)$", s)  # 3 million -> 3\times 10^{6}
         s = rf"{m.group(1)}\times 10^{{{3 * ['thousand', 'million', 'billion'].index(m.group(2)) + 3}}}" if m else s
-        s = re.sub(r"^(" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 apples -> 7
+        s = re.sub(r"^(" + BIG + "|" + NUM + r")\s+(?!pi\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*$", r"\1", s)  # 7 cats -> 7
         m = re.match(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*([^=]+)$", s)  # x = 5 -> 5
         if m and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))):
             s = m.group(1)
-    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?", s):  # 1,234 / 1 000, not the tuple 1,2
+    if re.fullmatch(BIG, s):  # 1,234 / 1 000 -> 1234 / 1000
         s = re.sub(r"[, ]", "", s)
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
-def grade(completion: str, gold: str) -> Grade:
-    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). Call it in a
-    main thread (math-verify's timeouts use signals) or through grade_batch."""
-    from math_verify import LatexExtractionConfig, errors, parse, verify
+def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
+    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). It may spend `cpu_s` seconds
+    of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then
+    scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a
+    signal) or through grade_batch."""
+    import signal
+    from math_verify import LatexExtractionConfig, parse, verify
     if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
     cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
     try:  # never str() a parsed object: printing a deep expression can hang
-        if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=3)):
-            return Grade(0.0, False, True)
-        ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=3)
-        try:  # gold first: not symmetric. raise_on_error tells a timeout (parse error) from a plain "not equal"
-            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3, raise_on_error=True)
-        except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
-            ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=3)
-    except (Exception, errors.TimeoutException):  # a BaseException
+        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
+            signal.setitimer(signal.ITIMER_PROF, cpu_s)
+            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
+                return Grade(0.0, False, True)
+            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
+            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
+            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    except (Exception, CpuLimit):  # out of CPU time, or unparsable
         return Grade(0.0, False, True)
+    finally:
+        signal.signal(signal.SIGPROF, old_handler)
     return Grade(float(ok), bool(ok), False)
 
 def grade_worker(conn) -> None:
+    import logging
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")  # warm-up: imports sympy and builds math-verify's parsers (~1 s)
     conn.send(None)  # ready: the deadline of its first sample may start
-    while True:  # grading runs in this process's main thread, where math-verify's signal timeouts work
+    while True:  # grading runs in this process's main thread, where grade's CPU-time signal works
         try:
             conn.send(tuple(grade(*conn.recv())))
         except EOFError:  # the actor is gone
@@ -189,8 +213,11 @@ def grade_worker(conn) -> None:
 
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25) -> list[Grade]:
-    """Grade in worker processes; one stuck past `timeout_s` (wall clock) is killed: its sample scores 0, parse_error.
+def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
+                backstop_s: float = 60.0) -> list[Grade]:
+    """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
+    0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
+    `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
@@ -209,10 +236,10 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
         for w, g in enumerate(GRADERS):
             if g and g[2] and w not in busy and todo and fresh < workers:
                 i, fresh = todo.pop(), fresh + 1
-                g[1].send((completions[i], golds[i]))
+                g[1].send((completions[i], golds[i], timeout_s))
                 busy[w] = (i, now)  # the clock starts when the sample is handed out
         pending = {g[1]: w for w, g in enumerate(GRADERS) if g and (w in busy or not g[2])}
-        wake = min((t + (slow_s if now - t < slow_s else timeout_s) for _, t in busy.values()), default=now + 60)
+        wake = min((t + (slow_s if now - t < slow_s else backstop_s) for _, t in busy.values()), default=now + 60)
         for conn in wait_conns(list(pending), timeout=max(0.0, wake - time.monotonic())):
             w = pending[conn]
             try:
@@ -224,7 +251,7 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
                 if w not in busy:
                     raise RuntimeError("a grading worker died while starting: see its traceback above")
                 kill(w)
-        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= timeout_s]:
+        for w in [w for w, (_, t) in busy.items() if time.monotonic() - t >= backstop_s]:
             kill(w)
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
@@ -393,7 +420,8 @@ if __name__ == "__main__":
 
         # 3) grade every completion, 4) advantages relative to each group
         comps = [(g, row, res, i, c) for g, row, res in finished for i, c in enumerate(res["completions"])]
-        grades = grade_batch([c["text"] for *_, c in comps], [row["answer"] for _, row, *_ in comps], args.grade_timeout_s)
+        grades = grade_batch([c["text"] for *_, c in comps], [row["answer"] for _, row, *_ in comps],
+                             args.grade_timeout_s, backstop_s=args.grade_backstop_s)
         advantages = []
         for k in range(0, len(comps), args.group_size):
             advantages += group_advantages([gr.reward for gr in grades[k : k + args.group_size]], args.scale_rewards)

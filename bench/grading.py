@@ -9,12 +9,21 @@
    point of the batch and runs out its limit from there; target: the batch takes at most that limit plus the
    time of its typical samples alone (the stuck ones cost nothing but their own limit, never the wait for a
    killed worker's replacement).
-Run: python bench/grading.py
+3. `--load N`: the public case file (tests/grading_cases.jsonl) through `--module`'s grade_batch on a quiet
+   machine, then again while N busy processes hold the cores (each spins `--threads` threads, one per core by
+   default, as an inference server's thread pool does): prints the verdicts that changed (target 0: a busy machine
+   must not change a reward) and the time of each pass. Every pass gets a fresh pool, so that no worker has the
+   cases in sympy's cache already.
+Run: python bench/grading.py [--load N [--threads T] [--module eval] [--timeout-s 5] [--reps 3]]
 """
 
+import argparse
+import importlib
+import json
 import multiprocessing as mp
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -77,7 +86,61 @@ def ceiling(batch) -> float:
     return dt
 
 
+BUSY = """import hashlib, threading
+data = bytes(1 << 20)
+def spin():
+    while True:
+        hashlib.sha256(data)  # sha256 of 1 MB releases the GIL: every thread keeps a core busy
+for _ in range(%d - 1):
+    threading.Thread(target=spin, daemon=True).start()
+spin()
+"""
+
+
+def loaded(module: str, n_load: int, threads: int, timeout_s: float, reps: int) -> None:
+    """Verdicts of the case file on a quiet machine against the same under n_load busy processes (and the times)."""
+    M = importlib.import_module(module)
+    kw = {"reinforce_math_fsdp2": {"strict_format": False}}.get(module, {})  # the case file is about answers
+    cases = [json.loads(line) for line in open(os.path.join(ROOT, "tests", "grading_cases.jsonl")) if line.strip()]
+    comps, golds = [c["completion"] for c in cases], [c["gold"] for c in cases]
+    def run():  # a fresh pool, started outside the timed region
+        for w in M.GRADERS:
+            if w:
+                w[0].kill(), w[0].join(5)
+        M.GRADERS.clear()
+        M.grade_batch([r"\boxed{1}"], ["1"], timeout_s=timeout_s, **kw)
+        t0 = time.perf_counter()
+        grades = M.grade_batch(comps, golds, timeout_s=timeout_s, **kw)
+        return [(g.correct, g.parse_error) for g in grades], time.perf_counter() - t0
+    quiet, t_quiet = run()
+    expected = [(c["correct"], c["parse_error"]) for c in cases]
+    print(f"{module}, timeout_s={timeout_s:g} per sample, {len(cases)} cases: quiet {t_quiet:.2f} s, "
+          f"{sum(a != b for a, b in zip(quiet, expected))} verdicts differ from the case file", flush=True)
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY % threads]) for _ in range(n_load)]
+    try:
+        time.sleep(0.5)
+        for rep in range(reps):
+            got, t_load = run()
+            changed = [i for i, (a, b) in enumerate(zip(got, quiet)) if a != b]
+            print(f"  under {n_load} busy processes x {threads} threads, run {rep}: {t_load:.2f} s "
+                  f"({t_load / t_quiet:.1f}x quiet), {len(changed)} changed verdicts (target 0)"
+                  f"{': cases ' + str(changed) if changed else ''}", flush=True)
+    finally:
+        for p in busy:
+            p.kill(), p.wait()
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--load", type=int, default=0, help="busy processes: compare verdicts quiet vs loaded")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="spinning threads per busy process")
+    ap.add_argument("--module", default="grpo_gsm8k", help="whose grade_batch --load uses")
+    ap.add_argument("--timeout-s", type=float, default=5.0, help="grade_batch's timeout_s in --load")
+    ap.add_argument("--reps", type=int, default=3, help="loaded passes in --load")
+    cli = ap.parse_args()
+    if cli.load:
+        loaded(cli.module, cli.load, cli.threads, cli.timeout_s, cli.reps)
+        sys.exit(0)
     rng = random.Random(0)
     batch = typical(600, rng)
     comps, golds = [c for c, _ in batch], [g for _, g in batch]

@@ -3,11 +3,15 @@
 The case file (tests/grading_cases.jsonl) holds facts transcribed from public grader test suites, each
 naming its source. Each module in MODULES carries its own copy of the grading block (CleanRL's rule:
 scripts copy, they do not import each other); all of them must pass every case and agree on all of them.
-Modules are imported by name from the repository root so that grade_batch's spawned workers can too.
+tests/grading_cases_strict.jsonl holds the strict <think> format's cases, written by hand from its rule, for
+the copies that grade it. Modules are imported by name from the repository root so that grade_batch's spawned
+workers can too.
 """
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +27,8 @@ GRADE_ARGS = {"eval": ("math500",)}
 # reinforce_math_fsdp2 rewards the strict <think> format by default; the case file is about answers.
 GRADE_KW = {"reinforce_math_fsdp2": {"strict_format": False}}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
+STRICT_FILE = ROOT / "tests" / "grading_cases_strict.jsonl"
+STRICT_MODULES = {"reinforce_math_fsdp2": {}, "eval": {"strict_format": True}}  # the copies that grade the strict format
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -41,11 +47,13 @@ def _batch(name, *args, **kw):
 
 
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
+STRICT = [json.loads(line) for line in STRICT_FILE.read_text().splitlines() if line.strip()]
 
 
-def test_case_file_shape():
-    assert len(CASES) >= 170
-    for c in CASES:
+@pytest.mark.parametrize("cases", [CASES, STRICT], ids=["cases", "strict"])
+def test_case_file_shape(cases):
+    assert len(cases) >= (170 if cases is CASES else 20)
+    for c in cases:
         assert set(c) == {"completion", "gold", "correct", "parse_error", "source", "note"}
         assert not (c["correct"] and c["parse_error"])
 
@@ -65,6 +73,29 @@ def test_all_copies_agree():
         assert v == first, [i for i, (a, b) in enumerate(zip(v, first)) if a != b]
 
 
+def _grade_strict(name, completion, gold):
+    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()), **STRICT_MODULES[name])
+
+
+@pytest.mark.parametrize("module", list(STRICT_MODULES))
+@pytest.mark.parametrize("case", STRICT, ids=[str(i) for i in range(len(STRICT))])
+def test_grade_strict(module, case):
+    g = _grade_strict(module, case["completion"], case["gold"])
+    assert (g.correct, g.parse_error) == (case["correct"], case["parse_error"]), case["note"]
+
+
+def test_all_strict_copies_agree():
+    """Every copy that grades the strict format gives every strict case the same verdict, through grade and through
+    grade_batch (the trainer's and the evaluation's path)."""
+    verdicts = {m: [tuple(_grade_strict(m, c["completion"], c["gold"])) for c in STRICT] for m in STRICT_MODULES}
+    for m, kw in STRICT_MODULES.items():
+        batch = _load(m).grade_batch([c["completion"] for c in STRICT], [c["gold"] for c in STRICT], timeout_s=5, **kw)
+        assert [tuple(g) for g in batch] == verdicts[m], m
+    first = verdicts["eval"]
+    for m, v in verdicts.items():
+        assert v == first, (m, [STRICT[i]["note"] for i, (a, b) in enumerate(zip(v, first)) if a != b])
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_extraction(module):
     m = _load(module)
@@ -79,9 +110,10 @@ def test_extraction(module):
     assert m.last_boxed(r"$\boxed 5$.") == "5" and m.last_boxed(r"\fbox{x^{2}}") == "x^{2}"
     assert m.last_boxed(r"\boxed{\frac{\sqrt{3}}{2}}") == r"\frac{\sqrt{3}}{2}"
     assert m.normalize_answer("1,2") == "1,2" and m.normalize_answer("1,234,567") == "1234567"
+    assert m.normalize_answer("1,600 dollars") == "1600" and m.normalize_answer("1,25 apples") == "1,25 apples"
 
 
-# ---- grade_batch: wall-clock limit, worker replacement, threads ---------------------------------
+# ---- grade_batch: CPU-time limit, wall-clock backstop, worker replacement, threads, load -----------
 NORMAL = [  # (completion, gold, correct)
     (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5", True),
     (r"So the total is $\boxed{1,200}$ dollars.", "1200", True),
@@ -97,6 +129,9 @@ PATHOLOGICAL = [
     "x" * 100_000,  # 100 KB of garbage, no box
     r"$\boxed{" + "(a+b)" * 190 + "}$",  # long but under the length cap
 ]
+# Wall-clock backstop of the tests that check the CPU limit: far above what any sample here takes even on a loaded
+# machine, so a batch ending before it (and no worker replaced) means the CPU limit ended the stuck samples.
+BACKSTOP_S = 60.0
 
 
 def _check(grades, kinds):
@@ -107,46 +142,107 @@ def _check(grades, kinds):
             assert g.correct == kind and g.parse_error is False
 
 
+def _pids(m):
+    return [w[0].pid for w in m.GRADERS]
+
+
 @pytest.mark.parametrize("module", MODULES)
-@pytest.mark.parametrize("timeout_s", [1.0, 5.0])  # 1 s: kills stuck workers; 5 s: math-verify's own timeouts fire first
+@pytest.mark.parametrize("timeout_s", [1.0, 5.0])  # CPU seconds per sample
 def test_grade_batch_pathological_mixed(module, timeout_s):
     m = _load(module)
     _batch(module, ["\\boxed{1}"], ["1"], timeout_s=30)  # start the pool outside the timed region
     comps = [PATHOLOGICAL[0], NORMAL[0][0], NORMAL[1][0], PATHOLOGICAL[2], NORMAL[2][0], NORMAL[3][0]]
     golds = ["5", NORMAL[0][1], NORMAL[1][1], "5", NORMAL[2][1], NORMAL[3][1]]
     kinds = [None, True, True, None, True, False]
-    pids = {w[0].pid for w in m.GRADERS}
+    pids = _pids(m)
     t = time.monotonic()
-    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2)
+    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2, backstop_s=BACKSTOP_S)
     elapsed = time.monotonic() - t
-    print(f"{module}: 2 pathological + 4 normal, timeout {timeout_s}s: {elapsed:.2f}s")
-    assert elapsed < timeout_s + 3
+    print(f"{module}: 2 pathological + 4 normal, {timeout_s} CPU s per sample: {elapsed:.2f}s")
+    assert elapsed < BACKSTOP_S
     _check(grades, kinds)
     assert grades[0].parse_error and grades[3].parse_error  # a timeout is a parse error, never a plain "wrong"
-    assert len(m.GRADERS) == 4 and all(w and w[0].is_alive() for w in m.GRADERS)  # 2 workers + 2 spares, whole again
-    if timeout_s < 3:  # math-verify's own alarms (3 s) come too late: stuck workers were killed and replaced
-        assert pids != {w[0].pid for w in m.GRADERS}
+    assert len(m.GRADERS) == 4 and all(w and w[0].is_alive() for w in m.GRADERS)  # 2 workers + 2 spares
+    assert _pids(m) == pids  # each worker ended its stuck sample itself (CPU limit): none was killed
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_grade_batch_all_pathological_then_normal(module):
+    """Behaviour, not a race: normal samples need milliseconds of CPU, far from the 1 s CPU limit, so a busy
+    machine cannot push them over it; stuck samples end by the CPU limit, in their own worker."""
     m = _load(module)
-    timeout_s = 1.0
+    _batch(module, ["\\boxed{1}"], ["1"], timeout_s=30)
     comps = PATHOLOGICAL + [c for c, _, _ in NORMAL]
     golds = ["5"] * len(PATHOLOGICAL) + [g for _, g, _ in NORMAL]
     kinds = [None] * len(PATHOLOGICAL) + [k for _, _, k in NORMAL]
+    pids = _pids(m)
     t = time.monotonic()
-    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2)
+    grades = _batch(module, comps, golds, timeout_s=1.0, workers=2, backstop_s=BACKSTOP_S)
     elapsed = time.monotonic() - t
-    waves = (len(PATHOLOGICAL) + 1) // 2  # stuck samples run two at a time
     print(f"{module}: {len(PATHOLOGICAL)} pathological + {len(NORMAL)} normal: {elapsed:.2f}s")
-    assert elapsed < waves * (timeout_s + 1) + 2
+    assert elapsed < BACKSTOP_S
     _check(grades, kinds)
     assert grades[3] == m.Grade(0.0, False, True)  # garbage without a box
-    # the pool recovered: the next batch is graded normally and quickly
-    t = time.monotonic()
+    assert grades[0].parse_error and grades[1].parse_error  # out of CPU time: parse errors
+    assert _pids(m) == pids  # no worker was killed: the pool is whole and warm
     _check(_batch(module, [c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
-    assert time.monotonic() - t < 3
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_grade_batch_backstop_kills_stuck_worker(module):
+    """The wall-clock backstop (for a sample stuck in C code, which the CPU limit cannot interrupt): with a CPU limit
+    out of reach, workers still on a pathological sample at the backstop are killed and replaced, their samples score
+    0 with parse_error, and the pool grades the next batch normally."""
+    m = _load(module)
+    _batch(module, ["\\boxed{1}"], ["1"], timeout_s=30)
+    pids = _pids(m)
+    t = time.monotonic()
+    grades = _batch(module, PATHOLOGICAL[:2], ["5", "5"], timeout_s=600, workers=2, backstop_s=1.0)
+    elapsed = time.monotonic() - t
+    print(f"{module}: 2 pathological, backstop 1 s: {elapsed:.2f}s")
+    assert grades == [m.Grade(0.0, False, True)] * 2
+    assert elapsed < 30  # the backstop ended them (unkilled, each would run for minutes)
+    assert len(set(_pids(m)) - set(pids)) == 2  # two workers were killed and replaced
+    _check(_batch(module, [c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
+
+
+BUSY = """import hashlib, os, threading
+data = bytes(1 << 20)
+def spin():
+    while True:
+        hashlib.sha256(data)  # sha256 of 1 MB releases the GIL: every thread keeps a core busy
+for _ in range(os.cpu_count() - 1):
+    threading.Thread(target=spin, daemon=True).start()
+spin()
+"""
+
+
+def test_grade_batch_under_load_changes_no_verdict():
+    """The whole case file through a fresh pool of one copy, while 2 busy processes (each spinning one thread per
+    core, as an inference server's thread pool does) hold the cores: every verdict is the case file's. The limit is
+    1.5 CPU seconds, twice what the costliest case takes on a fresh worker on a quiet machine (0.75 s); a wall-clock
+    limit that tight turns those cases into parse errors here, where a worker gets a third of a core or less.
+    A fresh pool, so that no worker has these cases in sympy's cache already; the whole file takes 10-20 s."""
+    m = _load("grpo_gsm8k")
+    for w in m.GRADERS:  # a fresh pool
+        if w:
+            w[0].kill(), w[0].join(5)
+    m.GRADERS.clear()
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in busy)
+        t = time.monotonic()
+        grades = m.grade_batch([c["completion"] for c in CASES], [c["gold"] for c in CASES], timeout_s=1.5)
+        elapsed = time.monotonic() - t
+        assert all(p.poll() is None for p in busy)  # the load lasted the whole batch
+    finally:
+        for p in busy:
+            p.kill(), p.wait()
+    print(f"{len(CASES)} cases under 2 busy processes ({os.cpu_count()} threads each): {elapsed:.1f}s")
+    changed = [(i, CASES[i]["note"], tuple(g)) for i, (g, c) in enumerate(zip(grades, CASES))
+               if (g.correct, g.parse_error) != (c["correct"], c["parse_error"])]
+    assert changed == []
 
 
 @pytest.mark.parametrize("module", MODULES)
