@@ -292,6 +292,24 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
         assert diff < 1e-2 * moved, (loss_type, diff, moved)
 
 
+def test_resume_a_state_saved_on_another_gpu(toy, tmp_path):
+    """A trainer state saved on cuda:1 (another GPU layout) resumes on a machine without that GPU: the script loads
+    every tensor to the CPU first (the optimizer then moves its state to the parameters' device)."""
+    url, model = toy
+    run_script(url, tmp_path, "--train-steps", "1", "--save-every", "1", model=model)
+    path = tmp_path / "ckpt" / "step_1" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    torch.serialization.register_package(-1, lambda storage: "cuda:1", lambda obj, location: None)
+    try:  # while registered, every storage saved says it lives on cuda:1
+        torch.save(state, path)
+    finally:
+        torch.serialization._package_registry[:] = [p for p in torch.serialization._package_registry if p[0] != -1]
+    with pytest.raises(RuntimeError, match="CUDA"):  # the file really names a GPU: a plain load fails here
+        torch.load(path, weights_only=False)
+    out, m = run_script(url, tmp_path, "--train-steps", "2", "--resume", model=model)
+    assert "resumed from ckpt/step_1 at step 1" in out and [x["version"] for x in m] == ["2"]
+
+
 def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
     """Against a server with two workers (tensor parallel 2) the script sizes its group from /health: every push
     reaches both workers (--verify-sync checks the weights they compute with), and the logprobs still agree."""
