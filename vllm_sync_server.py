@@ -316,8 +316,8 @@ def main(args: Args) -> None:
         return {"status": "ok", "model": args.model, "dtype": ctx["dtype"], "sync_timeout_s": args.sync_timeout_s,
                 **ctx["limits"], **ctx["group"]}
     @app.get("/runtime_version")
-    async def runtime_version():
-        return {k: state[k] for k in ("version", "updating", "communicator", "last_error")}
+    async def runtime_version():  # generating: /generate calls past the gate, their requests in (or entering) the engine
+        return {k: state[k] for k in ("version", "updating", "communicator", "last_error", "generating")}
     @app.get("/get_num_background_tasks")
     async def get_num_background_tasks():
         return {"num_background_tasks": state["tasks"]}
