@@ -122,10 +122,17 @@ def last_boxed(text: str) -> Optional[str]:
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
-    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
-    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
-    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
-    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+    (r"\\[dtc]frac", r"\\frac"),
+    (r"\\(?:left|right)\s*\.", ""),
+    (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","),
+    (r"\\!|\\displaystyle", ""),
+    (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "),
+    (r"\{,\}", ","),
+    (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""),
+    (r"\s+", " "),
 ]
 
 
@@ -181,6 +188,7 @@ def grade(completion: str, gold: str, task: str, strict_format: bool = False, cp
     missing `</think>` and a box only inside the thinking: each is a parse error.
     """
     import signal
+
     from math_verify import LatexExtractionConfig, parse, verify
 
     box = extract_answer(completion, strict_format)
@@ -213,7 +221,9 @@ def grade_worker(conn) -> None:
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
-    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", "math500")  # warm-up: imports sympy, builds math-verify's parsers (~1 s)
+    grade(
+        "\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", "math500"
+    )  # warm-up: imports sympy, builds math-verify's parsers (~1 s)
     conn.send(None)  # ready: the deadline of its first sample may start
     while True:  # grading runs in this process's main thread, where grade's CPU-time signal works
         try:
@@ -225,21 +235,32 @@ def grade_worker(conn) -> None:
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
 
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
-                task: str = "math500", strict_format: bool = False, backstop_s: float = 60.0) -> list[Grade]:
+def grade_batch(
+    completions: list[str],
+    golds: list[str],
+    timeout_s: float,
+    workers: int = 2,
+    slow_s: float = 0.25,
+    task: str = "math500",
+    strict_format: bool = False,
+    backstop_s: float = 60.0,
+) -> list[Grade]:
     """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
     0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
     `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
+
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
+
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
         busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
+
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
@@ -291,11 +312,13 @@ def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: 
     problem (greedy at temperature 0); the rates and lengths average over all samples."""
     flat = lambda xs: [x for row in xs for x in row]  # noqa: E731
     n = len(correct[0])
-    m = {"accuracy": sum(row[0] for row in correct) / len(correct),
-         "correct_rate": sum(flat(correct)) / len(flat(correct)),
-         "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
-         "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
-         "total_completion_tokens": sum(flat(tokens))}
+    m = {
+        "accuracy": sum(row[0] for row in correct) / len(correct),
+        "correct_rate": sum(flat(correct)) / len(flat(correct)),
+        "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
+        "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
+        "total_completion_tokens": sum(flat(tokens)),
+    }
     for k in pass_ks(n):
         m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
     return m
@@ -326,12 +349,27 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
 
-def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
-             seed: int, on_done=None):
+def generate(
+    url: str,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    seed: int,
+    on_done=None,
+):
     """One request per prompt, `concurrency` in flight; vLLM batches them. Returns one result per prompt. The
     server seeds sample j of a request with seed + j, so seed + i * n gives every sample its own seed."""
+
     def one(i):
-        body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed + i * n}
+        body = {
+            "prompts": [prompts[i]],
+            "n": n,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "seed": seed + i * n,
+        }
         result = post(url, "/generate", body).json()["results"][0]
         if on_done is not None:
             on_done()
@@ -352,11 +390,21 @@ def physical_gpu(index: int) -> str:
         raise SystemExit(f"--vllm-gpu {index}: CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPU(s) visible")
     return ids[index]
 
+
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
-           "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
+        "--model",
+        args.model,
+        "--host",
+        args.vllm_host,
+        "--port",
+        str(args.vllm_port),
+        *shlex.split(args.server_args),
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
     url = f"http://{args.vllm_host}:{args.vllm_port}"
@@ -382,7 +430,11 @@ def load_split(dataset: str, split: str, task: str) -> list[dict]:
             return [json.loads(line) for line in f if line.strip()]
     import datasets
 
-    return list(datasets.load_dataset(dataset, "main", split=split) if task == "gsm8k" else datasets.load_dataset(dataset, split=split))
+    return list(
+        datasets.load_dataset(dataset, "main", split=split)
+        if task == "gsm8k"
+        else datasets.load_dataset(dataset, split=split)
+    )
 
 
 if __name__ == "__main__":
@@ -412,7 +464,9 @@ if __name__ == "__main__":
 
     def render(question: str) -> str:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        return tokenizer.apply_chat_template(msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
 
     template = render("{question}")  # what every prompt looks like; goes into the summary
     # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
@@ -429,14 +483,28 @@ if __name__ == "__main__":
     columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True)) as progress:
         bar = progress.add_task("generate", total=len(rows))
-        results = generate(url, prompt_ids, args.n, args.temperature, args.max_tokens, args.concurrency, args.seed,
-                           on_done=lambda: progress.advance(bar))
+        results = generate(
+            url,
+            prompt_ids,
+            args.n,
+            args.temperature,
+            args.max_tokens,
+            args.concurrency,
+            args.seed,
+            on_done=lambda: progress.advance(bar),
+        )
     samples = [res["completions"] for res in results]  # [problems][n]
     texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
 
     # 3) grade: every sample against its problem's gold, in worker processes with a CPU-time limit
-    grades = grade_batch(texts, [g for g in golds for _ in range(args.n)], args.grade_timeout_s,
-                         task=args.task, strict_format=args.strict_format, backstop_s=args.grade_backstop_s)
+    grades = grade_batch(
+        texts,
+        [g for g in golds for _ in range(args.n)],
+        args.grade_timeout_s,
+        task=args.task,
+        strict_format=args.strict_format,
+        backstop_s=args.grade_backstop_s,
+    )
     per = lambda xs: [xs[i * args.n : (i + 1) * args.n] for i in range(len(rows))]  # noqa: E731  flat -> [problems][n]
     correct, parse_error = per([g.correct for g in grades]), per([g.parse_error for g in grades])
     tokens = [[len(c["token_ids"]) for c in cs] for cs in samples]
@@ -448,21 +516,50 @@ if __name__ == "__main__":
     graded = per(texts)
     with open(out, "w") as f:
         for i, row in enumerate(rows):
-            f.write(json.dumps({
-                "index": i, "id": row.get("unique_id", i), "prompt": prompts[i], "gold": golds[i],
-                "gold_answer": gold_answer(golds[i], args.task), "completions": [c["text"] for c in samples[i]],
-                "extracted": [extract_answer(t, args.strict_format) for t in graded[i]], "correct": correct[i],
-                "parse_error": parse_error[i], "tokens": tokens[i], "finish_reason": [c["finish_reason"] for c in samples[i]],
-            }) + "\n")
-        summary = {**metrics, "num_problems": len(rows), "n": args.n, "model": args.model, "served_model": served,
-                   "task": args.task, "dataset": dataset, "split": args.split, "limit": args.limit,
-                   "temperature": args.temperature, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt,
-                   "template": template, "strict_format": args.strict_format, "seed": args.seed,
-                   "elapsed_s": time.time() - start_time}
+            f.write(
+                json.dumps(
+                    {
+                        "index": i,
+                        "id": row.get("unique_id", i),
+                        "prompt": prompts[i],
+                        "gold": golds[i],
+                        "gold_answer": gold_answer(golds[i], args.task),
+                        "completions": [c["text"] for c in samples[i]],
+                        "extracted": [extract_answer(t, args.strict_format) for t in graded[i]],
+                        "correct": correct[i],
+                        "parse_error": parse_error[i],
+                        "tokens": tokens[i],
+                        "finish_reason": [c["finish_reason"] for c in samples[i]],
+                    }
+                )
+                + "\n"
+            )
+        summary = {
+            **metrics,
+            "num_problems": len(rows),
+            "n": args.n,
+            "model": args.model,
+            "served_model": served,
+            "task": args.task,
+            "dataset": dataset,
+            "split": args.split,
+            "limit": args.limit,
+            "temperature": args.temperature,
+            "max_tokens": args.max_tokens,
+            "system_prompt": args.system_prompt,
+            "template": template,
+            "strict_format": args.strict_format,
+            "seed": args.seed,
+            "elapsed_s": time.time() - start_time,
+        }
         f.write(json.dumps({"summary": summary}) + "\n")
     table = Table("metric", "value", title=f"{args.task} {args.split}: {len(rows)} problems x {args.n}")
     for k, v in metrics.items():
         table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
     console.print(table)
-    console.print(f"model {args.model}, template {template!r}; {len(rows) + 1} lines written to {out} "
-                  f"in {time.time() - start_time:.1f}s", soft_wrap=True, markup=False)
+    console.print(
+        f"model {args.model}, template {template!r}; {len(rows) + 1} lines written to {out} "
+        f"in {time.time() - start_time:.1f}s",
+        soft_wrap=True,
+        markup=False,
+    )

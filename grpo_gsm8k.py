@@ -37,7 +37,9 @@ from multiprocessing.connection import wait
 from typing import Literal, NamedTuple, Optional
 
 import requests
+
 # The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
+
 
 @dataclass
 class Args:
@@ -127,6 +129,7 @@ class Args:
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
 
+
 # Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
 # with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it never hangs the loop.
 class Grade(NamedTuple):
@@ -134,11 +137,14 @@ class Grade(NamedTuple):
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
+
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
+
 def on_cpu_limit(signum, frame):
     raise CpuLimit
+
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
@@ -154,14 +160,23 @@ def last_boxed(text: str) -> Optional[str]:
             return text[i + 1 : j].strip() or None
     return None  # truncated or unbalanced
 
+
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
-    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
-    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
-    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
-    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+    (r"\\[dtc]frac", r"\\frac"),
+    (r"\\(?:left|right)\s*\.", ""),
+    (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","),
+    (r"\\!|\\displaystyle", ""),
+    (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "),
+    (r"\{,\}", ","),
+    (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""),
+    (r"\s+", " "),
 ]
+
 
 def normalize_answer(s: str) -> str:
     """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
@@ -182,13 +197,16 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
+
 def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
     """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). It may spend `cpu_s` seconds
     of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then
     scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a
     signal) or through grade_batch."""
     import signal
+
     from math_verify import LatexExtractionConfig, parse, verify
+
     if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
@@ -212,8 +230,10 @@ def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
         signal.signal(signal.SIGPROF, old_handler)
     return Grade(float(ok), bool(ok), False)
 
+
 def grade_worker(conn) -> None:
     import logging
+
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")  # warm-up: imports sympy and builds math-verify's parsers (~1 s)
     conn.send(None)  # ready: the deadline of its first sample may start
@@ -223,23 +243,34 @@ def grade_worker(conn) -> None:
         except EOFError:  # the trainer is gone
             return
 
+
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
-                backstop_s: float = 60.0) -> list[Grade]:
+
+def grade_batch(
+    completions: list[str],
+    golds: list[str],
+    timeout_s: float,
+    workers: int = 2,
+    slow_s: float = 0.25,
+    backstop_s: float = 60.0,
+) -> list[Grade]:
     """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
     0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
     `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
+
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
+
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
         busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
+
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
@@ -268,6 +299,7 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 
+
 # ALGO LOGIC: advantages and the loss
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
@@ -278,8 +310,23 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
     return adv.view(-1)  # [B]
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, loss_type="grpo", *,
-                ref_logprobs=None, beta=0.0, sampling_logprobs=None, tis_cap=None, max_completion_length=None, stats=None):
+
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    loss_type="grpo",
+    *,
+    ref_logprobs=None,
+    beta=0.0,
+    sampling_logprobs=None,
+    tis_cap=None,
+    max_completion_length=None,
+    stats=None,
+):
     """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
     per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
       times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
@@ -289,6 +336,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
                  dapo    mean over all tokens of the batch (DAPO)
                  dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
     import torch
+
     ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)  # [B, T], [B, 1]
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
     per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
@@ -309,10 +357,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=0.2, clip
     else:
         raise ValueError(loss_type)
     if stats is not None:  # sums over tokens, so micro-batches add up
-        for key, x in [("clipped_tokens", (ratio != clipped).float()), ("kl_sum", kl if beta else None),
-                       ("tis_weight_sum", w if tis_cap is not None else None)]:
+        for key, x in [
+            ("clipped_tokens", (ratio != clipped).float()),
+            ("kl_sum", kl if beta else None),
+            ("tis_weight_sum", w if tis_cap is not None else None),
+        ]:
             stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
     return loss
+
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
     """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
@@ -321,14 +373,22 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
+
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-                      for i in range(0, h.shape[0], chunk)])  # [N]
+
+    return torch.cat(
+        [
+            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+            for i in range(0, h.shape[0], chunk)
+        ]
+    )  # [N]
+
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
@@ -340,25 +400,32 @@ def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
         cur.append(i)
     return batches + [cur] if cur else batches
 
+
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
     """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
     that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
     import torch
+
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
     Tc = max(1, max(n_comp))
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
-    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
-                      dtype=torch.long, device=device)  # [N]
+    at = torch.tensor(
+        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+        dtype=torch.long,
+        device=device,
+    )  # [N]
     return ids, attn, mask, at
+
 
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
     return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
     """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
@@ -376,6 +443,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
+
 def lines(response):
     """The JSON lines of a streamed answer, one at a time, each within post's `timeout`; a silent or broken stream is
     an error naming the URL and route."""
@@ -385,12 +453,14 @@ def lines(response):
         raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
     raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
+
 def local_address(url: str) -> str:
     """This machine's address on its route to the server: the local end of a connection to it (loopback for a server
     on this machine). The address of our own host name can be 127.0.1.1, or an interface the server cannot reach."""
     where = urllib.parse.urlsplit(url)
     with socket.create_connection((where.hostname, where.port or 80), timeout=30) as s:
         return s.getsockname()[0]
+
 
 def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
     """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
@@ -406,14 +476,18 @@ def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
         if work.exception() is not None:
             raise RuntimeError(f"{what} failed: {work.exception()}")
 
+
 def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
+
     info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
     if info["device"] != device.type:  # NCCL on one end and gloo on the other never meet: say so before joining
-        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
-                           "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
+        raise RuntimeError(
+            f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
+            "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
+        )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = sync_host or local_address(url)  # where the server's workers connect to our store
@@ -437,17 +511,21 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
             pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
     except Exception as e:  # the workers never joined: the server's second line says why
-        raise RuntimeError(f"the workers of {url} did not join this trainer's group at {host}:{port}: "
-                           f"{next(answer, {}).get('error', e)}") from e
+        raise RuntimeError(
+            f"the workers of {url} did not join this trainer's group at {host}:{port}: "
+            f"{next(answer, {}).get('error', e)}"
+        ) from e
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
+
 
 def push_weights(sync: dict, model, version: int) -> dict:
     """Broadcast every parameter (cast to the server's dtype) in order, one broadcast each, all in flight at once (up
     to 1 GiB of cast copies): the server receives each straight into the engine's tensor. Packing into buffers was
     slower in bench/weight_sync.py. Returns the server's report."""
     import torch
+
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
@@ -464,24 +542,35 @@ def push_weights(sync: dict, model, version: int) -> dict:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
-        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
-                      f"the weight push to {sync['url']}")
+        wait_or_abort(
+            [work for _, work in inflight],
+            time.monotonic() + sync["timeout_s"],
+            sync["pg"],
+            f"the weight push to {sync['url']}",
+        )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
+
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
     import torch
+
     dtype = getattr(torch, sync["dtype"])
-    ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-            for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the server reports it
+    ours = {
+        n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for n, p in model.state_dict().items()
+    }  # state_dict: a tied lm_head.weight too, as the server reports it
     theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
     if ours != theirs:
-        raise RuntimeError(f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
+        raise RuntimeError(
+            f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}"
+        )
     return len(theirs)
+
 
 # Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
 # requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
@@ -490,25 +579,32 @@ def verify_weights(sync: dict, model) -> int:
 # run its own stream, and the run stays reproducible from --seed.
 SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
 
+
 def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
     """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
     its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
     return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+
 
 def eval_seed(run_seed: int, problem_index: int) -> int:
     """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
     two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
     return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
 
-def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
-             seeds: list[int]):
+
+def generate(
+    url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]
+):
     """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns
     one result per prompt."""
+
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
         return post(url, "/generate", body).json()["results"][0]
+
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
+
 
 def physical_gpu(index: int) -> str:
     """The GPU that this process sees as cuda:`index`, named for a child process: CUDA_VISIBLE_DEVICES renumbers the
@@ -521,11 +617,21 @@ def physical_gpu(index: int) -> str:
         raise SystemExit(f"--vllm-gpu {index}: CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPU(s) visible")
     return ids[index]
 
+
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
-           "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port), *shlex.split(args.server_args)]
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
+        "--model",
+        args.model,
+        "--host",
+        args.vllm_host,
+        "--port",
+        str(args.vllm_port),
+        *shlex.split(args.server_args),
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
     url = f"http://{args.vllm_host}:{args.vllm_port}"
@@ -539,19 +645,24 @@ def start_vllm_server(args: Args, log_path: str):
             time.sleep(0.5)
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
+
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
+
     if os.path.isdir(dataset):
         return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
+
 if __name__ == "__main__":
     import tyro
+
     args = tyro.cli(Args)  # before the heavy imports: --help is instant
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     import random
+
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -560,24 +671,36 @@ if __name__ == "__main__":
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
     if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
-        raise SystemExit("--start-server needs two visible GPUs, one for the server and one for training: the weight "
-                         "sync's NCCL group cannot have both ends on one GPU. Make a second GPU visible, or start "
-                         "vllm_sync_server.py yourself on another GPU or machine and pass --vllm-host/--vllm-port.")
+        raise SystemExit(
+            "--start-server needs two visible GPUs, one for the server and one for training: the weight "
+            "sync's NCCL group cannot have both ends on one GPU. Make a second GPU visible, or start "
+            "vllm_sync_server.py yourself on another GPU or machine and pass --vllm-host/--vllm-port."
+        )
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
-    print(f"training on {device}" + ("" if n_gpu else " (no CUDA GPU visible: training on a GPU needs torch built for "
-                                     "CUDA and a CUDA 13 driver, see requirements.txt)"), flush=True)
+    print(
+        f"training on {device}"
+        + (
+            ""
+            if n_gpu
+            else " (no CUDA GPU visible: training on a GPU needs torch built for "
+            "CUDA and a CUDA 13 driver, see requirements.txt)"
+        ),
+        flush=True,
+    )
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
     loggers = set(args.logger.split(","))
     if "wandb" in loggers:
         import wandb
+
         wandb.init(config=asdict(args), resume="allow")
     if "rich" in loggers:
         from rich.console import Console
         from rich.table import Table
+
     def log(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
@@ -592,37 +715,68 @@ if __name__ == "__main__":
     # data: GSM8K problems as chat prompts (token ids), gold = the raw answer field
     train, test = load_split(args.dataset, "train")[: args.limit], load_split(args.dataset, "test")[: args.eval_limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+
     def prompt_ids(question: str) -> list[int]:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(text, add_special_tokens=False)
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
     step, version, skipped, data_pos = 0, 0, 0, 0
-    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    ckpts = (
+        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+        if os.path.isdir(args.checkpoint_dir)
+        else []
+    )
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
-    ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
+    ref_model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
-        state = torch.load(os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=False)  # any device layout
+        state = torch.load(
+            os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=False
+        )  # any device layout
         optimizer.load_state_dict(state["optimizer"])
-        step, version, skipped, data_pos, order = (state[k] for k in ("step", "version", "skipped", "data_pos", "order"))
-        torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
+        step, version, skipped, data_pos, order = (
+            state[k] for k in ("step", "version", "skipped", "data_pos", "order")
+        )
+        (
+            torch.set_rng_state(state["torch_rng"]),
+            random.setstate(state["python_rng"]),
+            np.random.set_state(state["numpy_rng"]),
+        )
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
-        results = generate(url, [prompt_ids(r["question"]) for r in test], 1, args.eval_temperature,
-                           args.max_completion_tokens, args.concurrency, [eval_seed(args.seed, i) for i in range(len(test))])
-        grades = grade_batch([res["completions"][0]["text"] for res in results], [r["answer"] for r in test],
-                             args.grade_timeout_s, backstop_s=args.grade_backstop_s)
-        return {"eval/accuracy": float(np.mean([g.correct for g in grades])), "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
-                "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results]))}
+        results = generate(
+            url,
+            [prompt_ids(r["question"]) for r in test],
+            1,
+            args.eval_temperature,
+            args.max_completion_tokens,
+            args.concurrency,
+            [eval_seed(args.seed, i) for i in range(len(test))],
+        )
+        grades = grade_batch(
+            [res["completions"][0]["text"] for res in results],
+            [r["answer"] for r in test],
+            args.grade_timeout_s,
+            backstop_s=args.grade_backstop_s,
+        )
+        return {
+            "eval/accuracy": float(np.mean([g.correct for g in grades])),
+            "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+            "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results])),
+        }
 
     if args.eval_before_start and step == 0:
         log(evaluate(), step)
@@ -630,8 +784,16 @@ if __name__ == "__main__":
     progress = None
     if sys.stderr.isatty():  # a live bar for a person at a terminal (as tqdm does), the metric lines printed above it
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.description}"), redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
+
+        progress = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            redirect_stdout=sys.stdout.isatty(),
+            redirect_stderr=False,
+        )
         progress_task = progress.add_task("", total=args.train_steps, completed=step)
         progress.start()
     while step < args.train_steps:
@@ -640,13 +802,24 @@ if __name__ == "__main__":
         rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
         seeds = [rollout_seed(args.seed, data_pos + i, args.group_size) for i in range(args.rollouts_per_update)]
         data_pos += args.rollouts_per_update
-        results = generate(url, [prompt_ids(r["question"]) for r in rows], args.group_size, args.train_temperature,
-                           args.max_completion_tokens, args.concurrency, seeds)
+        results = generate(
+            url,
+            [prompt_ids(r["question"]) for r in rows],
+            args.group_size,
+            args.train_temperature,
+            args.max_completion_tokens,
+            args.concurrency,
+            seeds,
+        )
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
         sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
         # 2) grade; 3) advantages, relative to each prompt's group
-        grades = grade_batch([c["text"] for _, _, c in comps], [row["answer"] for row, _, _ in comps],
-                             args.grade_timeout_s, backstop_s=args.grade_backstop_s)
+        grades = grade_batch(
+            [c["text"] for _, _, c in comps],
+            [row["answer"] for row, _, _ in comps],
+            args.grade_timeout_s,
+            backstop_s=args.grade_backstop_s,
+        )
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
@@ -661,17 +834,43 @@ if __name__ == "__main__":
                 ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
                 with autocast:
                     flat = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], the sampler's policy
-                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
+                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(
+                        mask.bool(), flat.float()
+                    )  # [b, Tc]
                     with torch.no_grad():  # the reference at the same temperature: KL between the sampling policies
-                        ref_lp = None if ref_model is None else torch.zeros(mask.shape, device=device).masked_scatter(
-                            mask.bool(), token_logprobs(ref_model, ids, attn, at, args.train_temperature).float())
-                vllm_lp = torch.tensor([c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx for c in [comps[i]]], device=device)
+                        ref_lp = (
+                            None
+                            if ref_model is None
+                            else torch.zeros(mask.shape, device=device).masked_scatter(
+                                mask.bool(), token_logprobs(ref_model, ids, attn, at, args.train_temperature).float()
+                            )
+                        )
+                vllm_lp = torch.tensor(
+                    [
+                        c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i])
+                        for i in idx
+                        for c in [comps[i]]
+                    ],
+                    device=device,
+                )
                 if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
                     stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
-                loss = policy_loss(logprobs, old_lp[m], advantages[idx].to(device), mask, args.clip_eps_low, args.clip_eps_high,
-                                   args.loss_type, ref_logprobs=ref_lp, beta=args.beta, sampling_logprobs=vllm_lp, tis_cap=args.tis_cap,
-                                   max_completion_length=args.max_completion_tokens, stats=stats if it == 0 else None)
+                loss = policy_loss(
+                    logprobs,
+                    old_lp[m],
+                    advantages[idx].to(device),
+                    mask,
+                    args.clip_eps_low,
+                    args.clip_eps_high,
+                    args.loss_type,
+                    ref_logprobs=ref_lp,
+                    beta=args.beta,
+                    sampling_logprobs=vllm_lp,
+                    tis_cap=args.tis_cap,
+                    max_completion_length=args.max_completion_tokens,
+                    stats=stats if it == 0 else None,
+                )
                 # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
                 # the whole batch, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
                 loss = loss * (sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B)
@@ -699,27 +898,70 @@ if __name__ == "__main__":
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         total_tokens += new_tokens
-        metrics = {"loss": stats["loss"], "grad_norm": stats.get("grad_norm", 0.0), "reward": rewards.mean().item(),
-                   "correct_rate": float(np.mean([g.correct for g in grades])), "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
-                   "avg_completion_length": new_tokens / B, "completion_tokens": new_tokens, "total_completion_tokens": total_tokens,
-                   "clip_frac": stats.get("clipped_tokens", 0.0) / T_all, "logprob_mismatch": stats["mismatch_sum"] / T_all,
-                   "kl": stats.get("kl_sum", 0.0) / T_all, "tis_weight": stats.get("tis_weight_sum", T_all) / T_all, "skipped_steps": skipped,
-                   "version": version, "sync_s": sync_s, "step_s": time.time() - t0, "tokens_per_s": new_tokens / (time.time() - t0)}
+        metrics = {
+            "loss": stats["loss"],
+            "grad_norm": stats.get("grad_norm", 0.0),
+            "reward": rewards.mean().item(),
+            "correct_rate": float(np.mean([g.correct for g in grades])),
+            "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+            "avg_completion_length": new_tokens / B,
+            "completion_tokens": new_tokens,
+            "total_completion_tokens": total_tokens,
+            "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
+            "logprob_mismatch": stats["mismatch_sum"] / T_all,
+            "kl": stats.get("kl_sum", 0.0) / T_all,
+            "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
+            "skipped_steps": skipped,
+            "version": version,
+            "sync_s": sync_s,
+            "step_s": time.time() - t0,
+            "tokens_per_s": new_tokens / (time.time() - t0),
+        }
         for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
-            rollout_log.write(json.dumps({"step": step, "question": row["question"], "gold": row["answer"], "completion": c["text"],
-                                          **g._asdict(), "advantage": a, "versions": c["versions"], "seed": seed}) + "\n")
+            rollout_log.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "question": row["question"],
+                        "gold": row["answer"],
+                        "completion": c["text"],
+                        **g._asdict(),
+                        "advantage": a,
+                        "versions": c["versions"],
+                        "seed": seed,
+                    }
+                )
+                + "\n"
+            )
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         log(metrics, step)
         if progress is not None:
-            progress.update(progress_task, completed=step, description=f"reward {metrics['reward']:.2f}, "
-                            f"{metrics['step_s']:.1f} s/step")
+            progress.update(
+                progress_task,
+                completed=step,
+                description=f"reward {metrics['reward']:.2f}, {metrics['step_s']:.1f} s/step",
+            )
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            model.save_pretrained(path), tokenizer.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
-            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "skipped": skipped, "data_pos": data_pos,
-                        "order": order, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                        "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer_state.pt"))
+            (
+                model.save_pretrained(path),
+                tokenizer.save_pretrained(path),
+            )  # Hugging Face format: vLLM and transformers load it
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "version": version,
+                    "skipped": skipped,
+                    "data_pos": data_pos,
+                    "order": order,
+                    "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(),
+                },
+                os.path.join(path, "trainer_state.pt"),
+            )
     if progress is not None:
         progress.stop()
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)

@@ -122,11 +122,14 @@ class Grade(NamedTuple):
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
+
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
+
 def on_cpu_limit(signum, frame):
     raise CpuLimit
+
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
@@ -142,14 +145,23 @@ def last_boxed(text: str) -> Optional[str]:
             return text[i + 1 : j].strip() or None
     return None  # truncated or unbalanced
 
+
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
-    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
-    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
-    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
-    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+    (r"\\[dtc]frac", r"\\frac"),
+    (r"\\(?:left|right)\s*\.", ""),
+    (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","),
+    (r"\\!|\\displaystyle", ""),
+    (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "),
+    (r"\{,\}", ","),
+    (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""),
+    (r"\s+", " "),
 ]
+
 
 def normalize_answer(s: str) -> str:
     """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
@@ -170,13 +182,16 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
+
 def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
     """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). It may spend `cpu_s` seconds
     of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then
     scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a
     signal) or through grade_batch."""
     import signal
+
     from math_verify import LatexExtractionConfig, parse, verify
+
     if (box := last_boxed(completion)) is None or len(box) > 1000:
         return Grade(0.0, False, True)
     gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
@@ -200,8 +215,10 @@ def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
         signal.signal(signal.SIGPROF, old_handler)
     return Grade(float(ok), bool(ok), False)
 
+
 def grade_worker(conn) -> None:
     import logging
+
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")  # warm-up: imports sympy and builds math-verify's parsers (~1 s)
     conn.send(None)  # ready: the deadline of its first sample may start
@@ -211,23 +228,34 @@ def grade_worker(conn) -> None:
         except EOFError:  # the actor is gone
             return
 
+
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
-                backstop_s: float = 60.0) -> list[Grade]:
+
+def grade_batch(
+    completions: list[str],
+    golds: list[str],
+    timeout_s: float,
+    workers: int = 2,
+    slow_s: float = 0.25,
+    backstop_s: float = 60.0,
+) -> list[Grade]:
     """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
     0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
     `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
+
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
+
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
         busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
+
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
@@ -361,8 +389,12 @@ if __name__ == "__main__":
         return msgs + [{"role": "user", "content": question}]
 
     def generate_group(url: str, question: str) -> dict:
-        body = {"messages": [messages(question)], "n": args.group_size, "temperature": args.temperature,
-                "max_tokens": args.max_completion_tokens}
+        body = {
+            "messages": [messages(question)],
+            "n": args.group_size,
+            "temperature": args.temperature,
+            "max_tokens": args.max_completion_tokens,
+        }
         return post(url, "/generate", body).json()["results"][0]
 
     # backpressure state: see the docstring for the rule
@@ -371,8 +403,11 @@ if __name__ == "__main__":
     submitted_records, submitted_groups, next_group, pushed_groups, pushed_records = queue_len, 0, 0, 0, 0
     inflight, load = {}, {url: 0 for url in args.vllm_urls}  # future -> (group number, row, url); requests per server
     pool, start, last_log, last_poll, waiting = ThreadPoolExecutor(args.concurrency), time.time(), 0.0, 0.0, (None, 0.0)
-    print(f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
-          f"queue {args.queue_key} at {where} holds {queue_len} records", flush=True)
+    print(
+        f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
+        f"queue {args.queue_key} at {where} holds {queue_len} records",
+        flush=True,
+    )
 
     while True:
         # 1) submit groups while the backpressure rule allows
@@ -394,7 +429,11 @@ if __name__ == "__main__":
             fut = pool.submit(generate_group, url, row["question"])
             inflight[fut] = (next_group, row, url)
             load[url] += 1
-            next_group, submitted_groups, submitted_records = next_group + 1, submitted_groups + 1, submitted_records + args.group_size
+            next_group, submitted_groups, submitted_records = (
+                next_group + 1,
+                submitted_groups + 1,
+                submitted_records + args.group_size,
+            )
         if why and (why != waiting[0] or time.time() - waiting[1] > 60):  # say why it waits, now and then
             print(f"actor {actor_id}: waiting: {why}", flush=True)
             waiting = (why, time.time())
@@ -420,8 +459,12 @@ if __name__ == "__main__":
 
         # 3) grade every completion, 4) advantages relative to each group
         comps = [(g, row, res, i, c) for g, row, res in finished for i, c in enumerate(res["completions"])]
-        grades = grade_batch([c["text"] for *_, c in comps], [row["answer"] for _, row, *_ in comps],
-                             args.grade_timeout_s, backstop_s=args.grade_backstop_s)
+        grades = grade_batch(
+            [c["text"] for *_, c in comps],
+            [row["answer"] for _, row, *_ in comps],
+            args.grade_timeout_s,
+            backstop_s=args.grade_backstop_s,
+        )
         advantages = []
         for k in range(0, len(comps), args.group_size):
             advantages += group_advantages([gr.reward for gr in grades[k : k + args.group_size]], args.scale_rewards)
@@ -430,21 +473,44 @@ if __name__ == "__main__":
         records = []
         for (g, row, res, i, c), gr, adv in zip(comps, grades, advantages):
             versions = c["versions"] or [version]  # the versions of the weights that sampled its tokens
-            records.append(msgpack.packb({
-                "schema": 1, "id": f"{actor_id}/{g}/{i}", "group_id": f"{actor_id}/{g}",
-                "prompt_token_ids": res["prompt_token_ids"], "completion_token_ids": c["token_ids"],
-                "logprobs": c["logprobs"], "temperature": args.temperature, "reward": gr.reward, "advantage": adv,
-                "version_min": min(versions), "version_max": max(versions), "text": c["text"], "correct": gr.correct,
-                "parse_error": gr.parse_error, "finish_reason": c["finish_reason"], "actor": actor_id, "time": time.time()}))
+            records.append(
+                msgpack.packb(
+                    {
+                        "schema": 1,
+                        "id": f"{actor_id}/{g}/{i}",
+                        "group_id": f"{actor_id}/{g}",
+                        "prompt_token_ids": res["prompt_token_ids"],
+                        "completion_token_ids": c["token_ids"],
+                        "logprobs": c["logprobs"],
+                        "temperature": args.temperature,
+                        "reward": gr.reward,
+                        "advantage": adv,
+                        "version_min": min(versions),
+                        "version_max": max(versions),
+                        "text": c["text"],
+                        "correct": gr.correct,
+                        "parse_error": gr.parse_error,
+                        "finish_reason": c["finish_reason"],
+                        "actor": actor_id,
+                        "time": time.time(),
+                    }
+                )
+            )
         with_retries("RPUSH", where, lambda: push(records))  # blocks (and retries) while Redis is down
         pushed_groups, pushed_records = pushed_groups + len(finished), pushed_records + len(records)
 
         # 6) log
         if time.time() - last_log >= args.log_every_s:
             last_log = time.time()
-            print(f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
-                  f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
-                  f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g}", flush=True)
+            print(
+                f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
+                f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
+                f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g}",
+                flush=True,
+            )
     pool.shutdown()
-    print(f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
-          f"{time.time() - start:.1f}s", flush=True)
+    print(
+        f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
+        f"{time.time() - start:.1f}s",
+        flush=True,
+    )

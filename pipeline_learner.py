@@ -116,8 +116,18 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------------
 # Records: decode and check everything the loss will index with, before anything touches the model
-FIELDS = {"schema": int, "id": str, "group_id": str, "prompt_token_ids": list, "completion_token_ids": list,
-          "logprobs": list, "reward": float, "advantage": float, "version_min": int, "version_max": int}
+FIELDS = {
+    "schema": int,
+    "id": str,
+    "group_id": str,
+    "prompt_token_ids": list,
+    "completion_token_ids": list,
+    "logprobs": list,
+    "reward": float,
+    "advantage": float,
+    "version_min": int,
+    "version_max": int,
+}
 
 
 def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tuple[Optional[dict], Optional[str]]:
@@ -150,14 +160,26 @@ def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tupl
     sampled_at = rec.get("temperature", 1.0)  # absent: the record format's default
     if type(sampled_at) not in (int, float) or sampled_at != temperature:
         told = f"temperature {sampled_at!r}" if "temperature" in rec else "no temperature field (so 1.0)"
-        return None, f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's"
+        return (
+            None,
+            f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's",
+        )
     return rec, None
 
 
 # ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: the off-policy loss
-def policy_loss(logprobs, sampling_logprobs, advantages, mask, loss="ppo", clip_eps_low=0.2, clip_eps_high=0.2,
-                tis_cap=2.0, stats=None):
+def policy_loss(
+    logprobs,
+    sampling_logprobs,
+    advantages,
+    mask,
+    loss="ppo",
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    tis_cap=2.0,
+    stats=None,
+):
     """Policy gradient on data sampled by an older policy mu. logprobs (pi_theta, with grad), sampling_logprobs
     (log mu, from the record: each token's logprob under the version that sampled it), mask [B, T]; advantages [B].
 
@@ -208,8 +230,12 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
-    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-                      for i in range(0, h.shape[0], chunk)])  # [N]
+    return torch.cat(
+        [
+            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+            for i in range(0, h.shape[0], chunk)
+        ]
+    )  # [N]
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -234,8 +260,11 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
-    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
-                      dtype=torch.long, device=device)  # [N]
+    at = torch.tensor(
+        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+        dtype=torch.long,
+        device=device,
+    )  # [N]
     return ids, attn, mask, at
 
 
@@ -308,8 +337,10 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
     for url, info in zip(urls, infos):  # NCCL on one end and gloo on the other never meet: say so before joining
         if info["device"] != device.type:
-            raise RuntimeError(f"the server at {url} runs on {info['device']} and this learner on {device.type}: the "
-                               "weight sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
+            raise RuntimeError(
+                f"the server at {url} runs on {info['device']} and this learner on {device.type}: the "
+                "weight sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
+            )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = sync_host or local_address(urls[0])  # where the servers' workers connect to our store
@@ -321,9 +352,24 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     wait_s = 2 * max(info["sync_timeout_s"] for info in infos) + 180  # a 2nd line: after a collective and one before
-    answers = [lines(post(url, "/init_communicator", {"host": host, "port": port, "world_size": world_size, "rank_offset":
-                                                      offset, "connections": connections}, stream=True, timeout=wait_s))
-               for url, offset in zip(urls, offsets)]
+    answers = [
+        lines(
+            post(
+                url,
+                "/init_communicator",
+                {
+                    "host": host,
+                    "port": port,
+                    "world_size": world_size,
+                    "rank_offset": offset,
+                    "connections": connections,
+                },
+                stream=True,
+                timeout=wait_s,
+            )
+        )
+        for url, offset in zip(urls, offsets)
+    ]
     [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
     try:
         if device.type == "cuda":  # building our end completes the rendezvous of all ranks
@@ -355,9 +401,18 @@ def push_weights(sync: dict, model, version: int) -> float:
     t0, dtype = time.time(), getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
-    answers = [lines(post(url, "/update_param_batch", {"params": params, "version": version}, stream=True,
-                          timeout=sync["timeout_s"]))
-               for url in sync["urls"]]
+    answers = [
+        lines(
+            post(
+                url,
+                "/update_param_batch",
+                {"params": params, "version": version},
+                stream=True,
+                timeout=sync["timeout_s"],
+            )
+        )
+        for url in sync["urls"]
+    ]
     [next(a) for a in answers]  # "receiving": each server checked the metadata, paused generation, and waits
     opts, inflight, ahead = dist.BroadcastOptions(), [], 0
     opts.rootRank = 0
@@ -369,8 +424,12 @@ def push_weights(sync: dict, model, version: int) -> float:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
-        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
-                      f"the weight push to {sync['urls']}")
+        wait_or_abort(
+            [work for _, work in inflight],
+            time.monotonic() + sync["timeout_s"],
+            sync["pg"],
+            f"the weight push to {sync['urls']}",
+        )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
     for url, a in zip(sync["urls"], answers):
@@ -384,12 +443,16 @@ def verify_weights(sync: dict, model) -> None:
     import torch
 
     dtype = getattr(torch, sync["dtype"])
-    ours = {n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-            for n, p in model.state_dict().items()}  # state_dict: a tied lm_head.weight too, as the servers report it
+    ours = {
+        n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for n, p in model.state_dict().items()
+    }  # state_dict: a tied lm_head.weight too, as the servers report it
     for url in sync["urls"]:
         theirs = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
         if ours != theirs:
-            raise RuntimeError(f"{url}: weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}")
+            raise RuntimeError(
+                f"{url}: weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}"
+            )
 
 
 def with_retries(what: str, where: str, fn):
@@ -417,8 +480,16 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no dropout, no shuffling)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"training on {device}" + ("" if device.type == "cuda" else " (no CUDA GPU visible: training on a GPU needs "
-                                     "torch built for CUDA and a CUDA 13 driver, see requirements.txt)"), flush=True)
+    print(
+        f"training on {device}"
+        + (
+            ""
+            if device.type == "cuda"
+            else " (no CUDA GPU visible: training on a GPU needs "
+            "torch built for CUDA and a CUDA 13 driver, see requirements.txt)"
+        ),
+        flush=True,
+    )
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
     r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
     with_retries("PING", where, r.ping)
@@ -430,13 +501,21 @@ if __name__ == "__main__":
 
     def log(metrics: dict, step: int) -> None:
         if "print" in loggers:
-            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()), flush=True)
+            print(
+                f"step {step}: "
+                + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
+                flush=True,
+            )
         if "wandb" in loggers:
             wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
     step, version, counts = 0, 0, Counter()  # counts: trained, dropped, rejected records since the start of the run
-    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    ckpts = (
+        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+        if os.path.isdir(args.checkpoint_dir)
+        else []
+    )
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
     tokenizer = AutoTokenizer.from_pretrained(load_from)
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
@@ -445,7 +524,9 @@ if __name__ == "__main__":
     vocab_size = model.get_input_embeddings().num_embeddings
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     if load_from != args.model:
-        state = torch.load(os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=True)  # any device layout
+        state = torch.load(
+            os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=True
+        )  # any device layout
         optimizer.load_state_dict(state["optimizer"])
         step, version, counts = state["step"], state["version"], Counter(state["counts"])
         torch.set_rng_state(state["torch_rng"])
@@ -455,8 +536,10 @@ if __name__ == "__main__":
     # the servers' group, then our weights first: above every version the servers (and the queue) have seen
     print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
     sync = init_weight_sync(args.vllm_urls, device, args.sync_host)
-    served = [requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["version"]
-              for url in args.vllm_urls]
+    served = [
+        requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["version"]
+        for url in args.vllm_urls
+    ]
     version = max([version, *served]) + 1
     push_weights(sync, model, version)
     if args.verify_sync:
@@ -479,7 +562,9 @@ if __name__ == "__main__":
                     last_note = time.time()
                 continue
             more = args.batch_size - len(batch) - 1
-            raws = [item[1]] + ((with_retries("LPOP", where, lambda: r.lpop(args.queue_key, more)) or []) if more else [])
+            raws = [item[1]] + (
+                (with_retries("LPOP", where, lambda: r.lpop(args.queue_key, more)) or []) if more else []
+            )
             for raw in raws:
                 rec, why = decode_record(raw, vocab_size, args.temperature)
                 if rec is not None and rec["version_max"] > version:
@@ -493,8 +578,17 @@ if __name__ == "__main__":
                 lags[lag] += 1
                 status = "dropped" if lag > args.max_lag else "trained"
                 counts[status] += 1
-                popped_log.append({"status": status, "id": rec["id"], "lag": lag, "version_min": rec["version_min"],
-                                   "version_max": rec["version_max"], "reward": rec["reward"], "advantage": rec["advantage"]})
+                popped_log.append(
+                    {
+                        "status": status,
+                        "id": rec["id"],
+                        "lag": lag,
+                        "version_min": rec["version_min"],
+                        "version_max": rec["version_max"],
+                        "reward": rec["reward"],
+                        "advantage": rec["advantage"],
+                    }
+                )
                 if status == "trained":
                     batch.append(rec)
 
@@ -510,12 +604,29 @@ if __name__ == "__main__":
             with autocast:
                 flat = token_logprobs(model, ids, attn, at, args.temperature)  # [N], the sampler's policy
                 logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
-            mu = torch.tensor([batch[i]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
-                              dtype=torch.float32, device=device)  # [b, Tc]: the sampling policy's logprobs
-            fresh = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)[:, None] * mask  # [b, Tc]
-            mismatch = [mismatch[0] + ((logprobs.detach() - mu).abs() * fresh).sum().item(), mismatch[1] + fresh.sum().item()]
-            loss = policy_loss(logprobs, mu, advantages[idx].to(device), mask, args.loss, args.clip_eps_low,
-                               args.clip_eps_high, args.tis_cap, stats=stats)
+            mu = torch.tensor(
+                [batch[i]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
+                dtype=torch.float32,
+                device=device,
+            )  # [b, Tc]: the sampling policy's logprobs
+            fresh = (
+                torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)[:, None] * mask
+            )  # [b, Tc]
+            mismatch = [
+                mismatch[0] + ((logprobs.detach() - mu).abs() * fresh).sum().item(),
+                mismatch[1] + fresh.sum().item(),
+            ]
+            loss = policy_loss(
+                logprobs,
+                mu,
+                advantages[idx].to(device),
+                mask,
+                args.loss,
+                args.clip_eps_low,
+                args.clip_eps_high,
+                args.tis_cap,
+                stats=stats,
+            )
             loss = loss * len(idx) / B  # a mean over sequences: micro-batches add up to the batch's loss
             if not torch.isfinite(loss):
                 bad = True
@@ -540,16 +651,28 @@ if __name__ == "__main__":
         # 4) log, checkpoint
         step_s, T = time.time() - t0, max(1.0, stats.get("tokens", 0.0))
         queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-        metrics = {"loss": stats["loss"], "grad_norm": grad_norm.item(), "reward": sum(x["reward"] for x in batch) / B,
-                   "avg_completion_length": sum(n_comp) / B, "clip_frac": stats.get("clipped_tokens", 0.0) / T,
-                   "ratio": stats.get("ratio_sum", T) / T, "logprob_mismatch": mismatch[0] / max(1, mismatch[1]),
-                   "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
-                   "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
-                   "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),
-                   "dropped": sum(v for k, v in lags.items() if k > args.max_lag), "dropped_total": counts["dropped"],
-                   "rejected_total": counts["rejected"], "trained_total": counts["trained"],
-                   "samples_per_s": B / step_s, "idle_frac": t_wait / step_s, "queue_len": queue_len,
-                   "version": version, "sync_s": sync_s, "step_s": step_s}
+        metrics = {
+            "loss": stats["loss"],
+            "grad_norm": grad_norm.item(),
+            "reward": sum(x["reward"] for x in batch) / B,
+            "avg_completion_length": sum(n_comp) / B,
+            "clip_frac": stats.get("clipped_tokens", 0.0) / T,
+            "ratio": stats.get("ratio_sum", T) / T,
+            "logprob_mismatch": mismatch[0] / max(1, mismatch[1]),
+            "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
+            "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
+            "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),
+            "dropped": sum(v for k, v in lags.items() if k > args.max_lag),
+            "dropped_total": counts["dropped"],
+            "rejected_total": counts["rejected"],
+            "trained_total": counts["trained"],
+            "samples_per_s": B / step_s,
+            "idle_frac": t_wait / step_s,
+            "queue_len": queue_len,
+            "version": version,
+            "sync_s": sync_s,
+            "step_s": step_s,
+        }
         log(metrics, step)
         if rollout_log:
             rollout_log.writelines(json.dumps({"step": step, **x}) + "\n" for x in popped_log)
@@ -558,6 +681,14 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
             tokenizer.save_pretrained(path)
-            torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version, "counts": dict(counts),
-                        "torch_rng": torch.get_rng_state()}, os.path.join(path, "trainer_state.pt"))
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "version": version,
+                    "counts": dict(counts),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                os.path.join(path, "trainer_state.pt"),
+            )
     print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)

@@ -34,7 +34,9 @@ from multiprocessing.connection import wait
 from typing import Literal, NamedTuple, Optional
 
 import requests
+
 # Nothing heavy at import time: torchrun's --help must be instant, and grading workers re-import this file.
+
 
 @dataclass
 class Args:
@@ -48,7 +50,9 @@ class Args:
     """evaluation set (test split; `problem`, `solution`), or a local directory with test.jsonl"""
     limit: Optional[int] = None
     """use only the first `limit` training problems"""
-    system_prompt: str = "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
+    system_prompt: str = (
+        "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
+    )
     """system prompt of every conversation ("" for none)"""
     vllm_host: str = "127.0.0.1"
     """host of vllm_sync_server.py"""
@@ -122,6 +126,7 @@ class Args:
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
 
+
 # Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
 # with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it never hangs the loop.
 class Grade(NamedTuple):
@@ -129,11 +134,14 @@ class Grade(NamedTuple):
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
+
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
+
 def on_cpu_limit(signum, frame):
     raise CpuLimit
+
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
@@ -149,14 +157,23 @@ def last_boxed(text: str) -> Optional[str]:
             return text[i + 1 : j].strip() or None
     return None  # truncated or unbalanced
 
+
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
-    (r"\\[dtc]frac", r"\\frac"), (r"\\(?:left|right)\s*\.", ""), (r"\\(?:left|right)(?![a-zA-Z])", ""),
-    (r",\\!\s*", ","), (r"\\!|\\displaystyle", ""), (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
-    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "), (r"\{,\}", ","), (r"\\?\$|\\?%|€|£", ""),
-    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""), (r"\s+", " "),
+    (r"\\[dtc]frac", r"\\frac"),
+    (r"\\(?:left|right)\s*\.", ""),
+    (r"\\(?:left|right)(?![a-zA-Z])", ""),
+    (r",\\!\s*", ","),
+    (r"\\!|\\displaystyle", ""),
+    (r"\\(?:mbox|textnormal|textrm|textbf|textit)(?![a-zA-Z])", r"\\text"),
+    (r"(?<!\\)\\(?:,|;|:|quad|qquad|\s)|~|[\u2009\u202f\u00a0]", " "),
+    (r"\{,\}", ","),
+    (r"\\?\$|\\?%|€|£", ""),
+    (r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z]))(?:\s*[CF](?![a-zA-Z]))?", ""),
+    (r"\s+", " "),
 ]
+
 
 def normalize_answer(s: str) -> str:
     """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
@@ -177,6 +194,7 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"^(-?)(\d+) (\d+)/(\d+)$", r"\1(\2+\3/\4)", s)  # mixed number 7 3/4
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
+
 def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float = 5.0) -> Grade:
     """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare answer
     (MATH-500). It may spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load
@@ -188,7 +206,9 @@ def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float =
     missing `</think>` and a box only inside the thinking: each is a parse error.
     """
     import signal
+
     from math_verify import LatexExtractionConfig, parse, verify
+
     if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
         m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
         if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
@@ -217,10 +237,14 @@ def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float =
         signal.signal(signal.SIGPROF, old_handler)
     return Grade(float(ok), bool(ok), False)
 
+
 def grade_worker(conn) -> None:
     import logging
+
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeouts are off" warning: grade's CPU limit is on
-    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False)  # warm-up: imports sympy, builds math-verify's parsers
+    grade(
+        "\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False
+    )  # warm-up: imports sympy, builds math-verify's parsers
     conn.send(None)  # ready: the deadline of its first sample may start
     while True:  # grading runs in this process's main thread, where grade's CPU-time signal works
         try:
@@ -228,23 +252,35 @@ def grade_worker(conn) -> None:
         except EOFError:  # the trainer is gone
             return
 
+
 GRADERS: list = []  # [process, pipe, ready] per worker (None: killed), started once and reused
 
-def grade_batch(completions: list[str], golds: list[str], timeout_s: float, workers: int = 2, slow_s: float = 0.25,
-                strict_format: bool = True, backstop_s: float = 60.0) -> list[Grade]:
+
+def grade_batch(
+    completions: list[str],
+    golds: list[str],
+    timeout_s: float,
+    workers: int = 2,
+    slow_s: float = 0.25,
+    strict_format: bool = True,
+    backstop_s: float = 60.0,
+) -> list[Grade]:
     """Grade in worker processes, each sample within `timeout_s` seconds of its worker's CPU time (past them it scores
     0, parse_error; a busy machine changes no verdict). The last resort is wall clock: a worker still on one sample
     `backstop_s` after it got it (stuck in C code) is killed, and that sample scores 0, parse_error, too.
     `workers` samples run at once, plus one on a warm spare per sample running over `slow_s` (suspected stuck), so
     neither a stuck sample nor the restart of a killed worker stalls the rest."""
     ctx = mp.get_context("spawn")
+
     def start():  # spawn, so a worker never inherits threads or CUDA
         a, b = ctx.Pipe()
         (p := ctx.Process(target=grade_worker, args=(b,), daemon=True)).start()
         return [p, a, False]
+
     def kill(w):  # its replacement warms up (~1 s of CPU) after the batch, unless the batch needs it now
         busy.pop(w), GRADERS[w][0].kill(), GRADERS[w][0].join(1), GRADERS[w][1].close()
         GRADERS[w] = start() if sum(map(bool, GRADERS)) - 1 < workers else None
+
     GRADERS[:] = [g or start() for g in GRADERS] + [start() for _ in range(2 * workers - len(GRADERS))]
     results, todo, busy = [Grade(0.0, False, True)] * len(completions), list(range(len(completions)))[::-1], {}
     while todo or busy:
@@ -273,6 +309,7 @@ def grade_batch(completions: list[str], golds: list[str], timeout_s: float, work
     GRADERS[:] = [g or start() for g in GRADERS]  # replacements warm up while the caller does something else
     return results
 
+
 # ALGO LOGIC: advantages and the loss
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
@@ -282,6 +319,7 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     if scale_by_std:
         adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
     return adv.view(-1)  # [B]
+
 
 def reinforce_loss(logprobs, advantages, mask):
     """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
@@ -293,6 +331,7 @@ def reinforce_loss(logprobs, advantages, mask):
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
+
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
     """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
     softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed logprobs):
@@ -300,14 +339,22 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
+
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-    return torch.cat([checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-                      for i in range(0, h.shape[0], chunk)])  # [N]
+
+    return torch.cat(
+        [
+            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+            for i in range(0, h.shape[0], chunk)
+        ]
+    )  # [N]
+
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
@@ -319,19 +366,25 @@ def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
         cur.append(i)
     return batches + [cur] if cur else batches
 
+
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
     """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
     that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
     import torch
+
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
     Tc = max(1, max(n_comp))
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
-    at = torch.tensor([r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
-                      dtype=torch.long, device=device)  # [N]
+    at = torch.tensor(
+        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+        dtype=torch.long,
+        device=device,
+    )  # [N]
     return ids, attn, mask, at
+
 
 # TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
 def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, device):
@@ -347,6 +400,7 @@ def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, dev
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from transformers import AutoConfig, AutoModelForCausalLM
+
     if dist.get_rank() == 0:  # the full state dict keeps the CPU tensors once fully_shard has swapped in the shards
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = model.state_dict()
@@ -372,10 +426,12 @@ def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, dev
     register_fsdp_forward_method(model, "token_logprobs")
     return model
 
+
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
     return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
     """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
@@ -393,6 +449,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
+
 def lines(response):
     """The JSON lines of a streamed answer, one at a time, each within post's `timeout`; a silent or broken stream is
     an error naming the URL and route."""
@@ -402,12 +459,14 @@ def lines(response):
         raise RuntimeError(f"vLLM server at {response.url} stopped answering: {e}") from e
     raise RuntimeError(f"vLLM server at {response.url} ended its answer early")
 
+
 def local_address(url: str) -> str:
     """This machine's address on its route to the server: the local end of a connection to it (loopback for a server
     on this machine). The address of our own host name can be 127.0.1.1, or an interface the server cannot reach."""
     where = urllib.parse.urlsplit(url)
     with socket.create_connection((where.hostname, where.port or 80), timeout=30) as s:
         return s.getsockname()[0]
+
 
 def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
     """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
@@ -423,14 +482,18 @@ def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
         if work.exception() is not None:
             raise RuntimeError(f"{what} failed: {work.exception()}")
 
+
 def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
+
     info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
     if info["device"] != device.type:  # NCCL on one end and gloo on the other never meet: say so before joining
-        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
-                           "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)")
+        raise RuntimeError(
+            f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "
+            "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
+        )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
         port = s.bind(("", 0)) or s.getsockname()[1]
     host = sync_host or local_address(url)  # where the server's workers connect to our store
@@ -454,17 +517,21 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
             pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
     except Exception as e:  # the workers never joined: the server's second line says why
-        raise RuntimeError(f"the workers of {url} did not join this trainer's group at {host}:{port}: "
-                           f"{next(answer, {}).get('error', e)}") from e
+        raise RuntimeError(
+            f"the workers of {url} did not join this trainer's group at {host}:{port}: "
+            f"{next(answer, {}).get('error', e)}"
+        ) from e
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
+
 
 def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
     """Call on every rank: each parameter is gathered whole by all ranks in turn (DTensor.full_tensor, an all-gather on
     the torchrun group); rank 0, the only one with a communicator (sync), broadcasts it, one broadcast per parameter,
     while the next ones are gathered: up to 1 GiB of gathered parameters in flight."""
     import torch
+
     named = list(model.named_parameters())
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 (DTensor under FSDP)
     if sync is None:  # ranks > 0: take part in the gathers, in the same order, and nothing else
@@ -486,18 +553,25 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
             ahead -= inflight[0][0].numel()
             inflight.pop(0)[1].wait()
     if sync["device"].type == "cuda":  # a bounded wait: NCCL's wait() neither blocks nor raises (wait_or_abort)
-        wait_or_abort([work for _, work in inflight], time.monotonic() + sync["timeout_s"], sync["pg"],
-                      f"the weight push to {sync['url']}")
+        wait_or_abort(
+            [work for _, work in inflight],
+            time.monotonic() + sync["timeout_s"],
+            sync["pg"],
+            f"the weight push to {sync['url']}",
+        )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
     if (done := next(answer))["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
+
 def full_state_dict(model) -> dict:
     """Every rank must call it (it gathers); rank 0 gets plain tensors on CPU under Hugging Face names."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
 
 # Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
 # requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
@@ -506,37 +580,48 @@ def full_state_dict(model) -> dict:
 # run its own stream, and the run stays reproducible from --seed.
 SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
 
+
 def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
     """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
     its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
     return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+
 
 def eval_seed(run_seed: int, problem_index: int) -> int:
     """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
     two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
     return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
 
-def generate(url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int,
-             seeds: list[int]):
+
+def generate(
+    url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]
+):
     """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns
     one result per prompt. A prompt's seed follows its place in the global batch, not the rank that asks: any number
     of ranks samples the same."""
+
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
         return post(url, "/generate", body).json()["results"][0]
+
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
+
 
 def load_rows(dataset: str, split: str) -> list[dict]:
     """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
+
     if os.path.isdir(dataset):
         return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
     return list(datasets.load_dataset(dataset, split=split))
 
+
 if __name__ == "__main__":
     import contextlib
+
     import tyro
+
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         args = tyro.cli(Args)  # before importing torch: --help is instant
@@ -555,6 +640,7 @@ if __name__ == "__main__":
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     import logging
     import random
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -573,23 +659,28 @@ if __name__ == "__main__":
     logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
     log = logging.getLogger("reinforce_math_fsdp2")
     log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
+
     def all_sum(*xs: float, op=None) -> list[float]:
         t = torch.tensor(xs, dtype=torch.float64, device=device)
         if world_size > 1:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
         return t.tolist()
+
     random.seed(args.seed + rank), np.random.seed(args.seed + rank), torch.manual_seed(args.seed)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     loggers = set(args.logger.split(",")) if rank == 0 else set()
     if "wandb" in loggers:
         import wandb
+
         wandb.init(config=asdict(args), resume="allow")
+
     def report(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
             print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "rich" in loggers:
             from rich import console, table
+
             t = table.Table("metric", "value", title=f"step {step}")
             [t.add_row(k, v) for k, v in text.items()]
             console.Console().print(t)
@@ -597,18 +688,29 @@ if __name__ == "__main__":
             wandb.log(metrics, step=step)
 
     # data: one permutation on all ranks; per step, rank r keeps every world_size-th of the next rollouts_per_update x world_size
-    train, test = load_rows(args.dataset, "train")[: args.limit], load_rows(args.eval_dataset, "test")[: args.eval_limit]
+    train, test = (
+        load_rows(args.dataset, "train")[: args.limit],
+        load_rows(args.eval_dataset, "test")[: args.eval_limit],
+    )
     order = np.random.default_rng(args.seed).permutation(len(train))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+
     def prompt_ids(problem: str) -> list[int]:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        text = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(text, add_special_tokens=False)
+
     # model: fp32 master weights, sharded; AdamW on the shards
     model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     step, version, data_pos = 0, 0, 0
-    ckpts = sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(args.checkpoint_dir) else []
+    ckpts = (
+        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+        if os.path.isdir(args.checkpoint_dir)
+        else []
+    )
     if args.resume and ckpts:  # the sharded model and optimizer state: each rank reads its own shards
         path = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}")
         msd, osd = get_state_dict(model, optimizer)
@@ -616,22 +718,54 @@ if __name__ == "__main__":
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), map_location="cpu", weights_only=False)
         step, version, data_pos = state["step"], state["version"], state["data_pos"]
-        torch.set_rng_state(state["torch_rng"]), random.setstate(state["python_rng"]), np.random.set_state(state["numpy_rng"])
+        (
+            torch.set_rng_state(state["torch_rng"]),
+            random.setstate(state["python_rng"]),
+            np.random.set_state(state["numpy_rng"]),
+        )
         log.info("resumed from %s at step %d", path, step)
-    sync = init_weight_sync(url, device, args.sync_host) if rank == 0 else None  # rank 0 alone talks to the server, outside the torchrun group
+    sync = (
+        init_weight_sync(url, device, args.sync_host) if rank == 0 else None
+    )  # rank 0 alone talks to the server, outside the torchrun group
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
+
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
         rows = test[rank::world_size]
-        results = generate(url, [prompt_ids(r["problem"]) for r in rows], 1, args.eval_temperature, args.max_completion_tokens,
-                           args.eval_concurrency, [eval_seed(args.seed, rank + world_size * i) for i in range(len(rows))])
-        grades = grade_batch([res["completions"][0]["text"] for res in results], [r["solution"] for r in rows], args.grade_timeout_s,
-                             strict_format=args.strict_format, backstop_s=args.grade_backstop_s)
-        n, correct, parse_err, length = all_sum(len(rows), sum(g.correct for g in grades), sum(g.parse_error for g in grades),
-                                                sum(len(res["completions"][0]["token_ids"]) for res in results))
-        return {"eval/accuracy": correct / max(n, 1), "eval/parse_err_rate": parse_err / max(n, 1), "eval/avg_completion_length": length / max(n, 1)}
+        results = generate(
+            url,
+            [prompt_ids(r["problem"]) for r in rows],
+            1,
+            args.eval_temperature,
+            args.max_completion_tokens,
+            args.eval_concurrency,
+            [eval_seed(args.seed, rank + world_size * i) for i in range(len(rows))],
+        )
+        grades = grade_batch(
+            [res["completions"][0]["text"] for res in results],
+            [r["solution"] for r in rows],
+            args.grade_timeout_s,
+            strict_format=args.strict_format,
+            backstop_s=args.grade_backstop_s,
+        )
+        n, correct, parse_err, length = all_sum(
+            len(rows),
+            sum(g.correct for g in grades),
+            sum(g.parse_error for g in grades),
+            sum(len(res["completions"][0]["token_ids"]) for res in results),
+        )
+        return {
+            "eval/accuracy": correct / max(n, 1),
+            "eval/parse_err_rate": parse_err / max(n, 1),
+            "eval/avg_completion_length": length / max(n, 1),
+        }
+
     if args.eval_before_start and step == 0:
         report(evaluate(), step)
-    rollout_log, total_tokens, start_time = open(args.rollout_log.replace("{RANK}", str(rank)), "a", buffering=1), 0, time.time()
+    rollout_log, total_tokens, start_time = (
+        open(args.rollout_log.replace("{RANK}", str(rank)), "a", buffering=1),
+        0,
+        time.time(),
+    )
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate this rank's share of the step's prompts, group_size completions each
@@ -639,13 +773,25 @@ if __name__ == "__main__":
         rows = [train[order[(data_pos + k) % len(train)]] for k in global_idx]
         seeds = [rollout_seed(args.seed, data_pos + k, args.group_size) for k in global_idx]
         data_pos += args.rollouts_per_update * world_size
-        results = generate(url, [prompt_ids(r["problem"]) for r in rows], args.group_size, args.train_temperature,
-                           args.max_completion_tokens, args.concurrency, seeds)
+        results = generate(
+            url,
+            [prompt_ids(r["problem"]) for r in rows],
+            args.group_size,
+            args.train_temperature,
+            args.max_completion_tokens,
+            args.concurrency,
+            seeds,
+        )
         comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
         sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
         # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
-        grades = grade_batch([c["text"] for _, _, c in comps], [row["solution"] for row, _, _ in comps], args.grade_timeout_s,
-                             strict_format=args.strict_format, backstop_s=args.grade_backstop_s)
+        grades = grade_batch(
+            [c["text"] for _, _, c in comps],
+            [row["solution"] for row, _, _ in comps],
+            args.grade_timeout_s,
+            strict_format=args.strict_format,
+            backstop_s=args.grade_backstop_s,
+        )
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
@@ -654,7 +800,10 @@ if __name__ == "__main__":
         seqs, n_prompt = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps], [len(p) for _, p, _ in comps]
         n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
-        n_micro, T_global = all_sum(len(micro), op=dist.ReduceOp.MAX if world_size > 1 else None)[0], all_sum(sum(n_comp))[0]
+        n_micro, T_global = (
+            all_sum(len(micro), op=dist.ReduceOp.MAX if world_size > 1 else None)[0],
+            all_sum(sum(n_comp))[0],
+        )
         loss_sum, mismatch_sum = 0.0, 0.0
         optimizer.zero_grad(set_to_none=True)
         for m in range(int(n_micro)):
@@ -672,7 +821,10 @@ if __name__ == "__main__":
             loss.backward()
             if m < len(micro):
                 loss_sum += loss.item() / world_size
-                vllm_lp = torch.tensor([comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx], device=device)
+                vllm_lp = torch.tensor(
+                    [comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
+                    device=device,
+                )
                 mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
@@ -689,21 +841,57 @@ if __name__ == "__main__":
             if rank == 0:
                 got = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers())
                 theirs, dtype = got.json()["checksums"], getattr(torch, sync["dtype"])
-                if bad := [n for n in theirs if n not in sd or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]]:
+                if bad := [
+                    n
+                    for n in theirs
+                    if n not in sd
+                    or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]
+                ]:
                     raise RuntimeError(f"weights differ after the push: {bad[:5]}")
         sync_s = time.time() - t_sync
         # 6) log, evaluate, checkpoint
         new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
         n, r_sum, correct, parse_err, tokens, loss_all, mismatch = all_sum(
-            len(comps), rewards.sum().item(), sum(g.correct for g in grades), sum(g.parse_error for g in grades), new_tokens, loss_sum, mismatch_sum)
+            len(comps),
+            rewards.sum().item(),
+            sum(g.correct for g in grades),
+            sum(g.parse_error for g in grades),
+            new_tokens,
+            loss_sum,
+            mismatch_sum,
+        )
         total_tokens += tokens
-        metrics = {"loss": loss_all, "grad_norm": grad_norm, "reward": r_sum / n, "correct_rate": correct / n, "parse_err_rate": parse_err / n,
-                   "avg_completion_length": tokens / n, "completion_tokens": int(tokens), "total_completion_tokens": int(total_tokens),
-                   "logprob_mismatch": mismatch / max(T_global, 1), "version": version, "sync_s": sync_s, "step_s": time.time() - t0,
-                   "tokens_per_s": tokens / (time.time() - t0)}
+        metrics = {
+            "loss": loss_all,
+            "grad_norm": grad_norm,
+            "reward": r_sum / n,
+            "correct_rate": correct / n,
+            "parse_err_rate": parse_err / n,
+            "avg_completion_length": tokens / n,
+            "completion_tokens": int(tokens),
+            "total_completion_tokens": int(total_tokens),
+            "logprob_mismatch": mismatch / max(T_global, 1),
+            "version": version,
+            "sync_s": sync_s,
+            "step_s": time.time() - t0,
+            "tokens_per_s": tokens / (time.time() - t0),
+        }
         for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
-            rollout_log.write(json.dumps({"step": step, "rank": rank, "problem": row["problem"], "completion": c["text"], **g._asdict(),
-                                          "advantage": a, "versions": c["versions"], "seed": seed}) + "\n")
+            rollout_log.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "rank": rank,
+                        "problem": row["problem"],
+                        "completion": c["text"],
+                        **g._asdict(),
+                        "advantage": a,
+                        "versions": c["versions"],
+                        "seed": seed,
+                    }
+                )
+                + "\n"
+            )
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
         report(metrics, step)
@@ -714,12 +902,25 @@ if __name__ == "__main__":
                 model.config.save_pretrained(path), tokenizer.save_pretrained(path)  # (these create the directory)
                 if model.config.tie_word_embeddings:
                     sd.pop("lm_head.weight", None)
-                save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+                save_file(
+                    {k: v.contiguous() for k, v in sd.items()},
+                    os.path.join(path, "model.safetensors"),
+                    metadata={"format": "pt"},
+                )
             del sd
             msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
-            torch.save({"step": step, "version": version, "data_pos": data_pos, "torch_rng": torch.get_rng_state(),
-                        "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, os.path.join(path, "trainer", f"rank{rank}.pt"))
+            torch.save(
+                {
+                    "step": step,
+                    "version": version,
+                    "data_pos": data_pos,
+                    "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(),
+                },
+                os.path.join(path, "trainer", f"rank{rank}.pt"),
+            )
             log.info("saved %s", path)
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
     dist.barrier()  # a rare abort at exit was seen without it

@@ -103,6 +103,7 @@ def loaded(module: str, n_load: int, threads: int, timeout_s: float, reps: int) 
     kw = {"reinforce_math_fsdp2": {"strict_format": False}}.get(module, {})  # the case file is about answers
     cases = [json.loads(line) for line in open(os.path.join(ROOT, "tests", "grading_cases.jsonl")) if line.strip()]
     comps, golds = [c["completion"] for c in cases], [c["gold"] for c in cases]
+
     def run():  # a fresh pool, started outside the timed region
         for w in M.GRADERS:
             if w:
@@ -112,19 +113,26 @@ def loaded(module: str, n_load: int, threads: int, timeout_s: float, reps: int) 
         t0 = time.perf_counter()
         grades = M.grade_batch(comps, golds, timeout_s=timeout_s, **kw)
         return [(g.correct, g.parse_error) for g in grades], time.perf_counter() - t0
+
     quiet, t_quiet = run()
     expected = [(c["correct"], c["parse_error"]) for c in cases]
-    print(f"{module}, timeout_s={timeout_s:g} per sample, {len(cases)} cases: quiet {t_quiet:.2f} s, "
-          f"{sum(a != b for a, b in zip(quiet, expected))} verdicts differ from the case file", flush=True)
+    print(
+        f"{module}, timeout_s={timeout_s:g} per sample, {len(cases)} cases: quiet {t_quiet:.2f} s, "
+        f"{sum(a != b for a, b in zip(quiet, expected))} verdicts differ from the case file",
+        flush=True,
+    )
     busy = [subprocess.Popen([sys.executable, "-c", BUSY % threads]) for _ in range(n_load)]
     try:
         time.sleep(0.5)
         for rep in range(reps):
             got, t_load = run()
             changed = [i for i, (a, b) in enumerate(zip(got, quiet)) if a != b]
-            print(f"  under {n_load} busy processes x {threads} threads, run {rep}: {t_load:.2f} s "
-                  f"({t_load / t_quiet:.1f}x quiet), {len(changed)} changed verdicts (target 0)"
-                  f"{': cases ' + str(changed) if changed else ''}", flush=True)
+            print(
+                f"  under {n_load} busy processes x {threads} threads, run {rep}: {t_load:.2f} s "
+                f"({t_load / t_quiet:.1f}x quiet), {len(changed)} changed verdicts (target 0)"
+                f"{': cases ' + str(changed) if changed else ''}",
+                flush=True,
+            )
     finally:
         for p in busy:
             p.kill(), p.wait()
@@ -161,11 +169,18 @@ if __name__ == "__main__":
         t_pool = time.perf_counter() - t0
         t_ceiling = ceiling(batch)
         assert [tuple(x) for x in serial] == [tuple(x) for x in pooled]
-        print(f"typical completions, run {rep}: serial {len(batch) / t_serial:.0f}/s, pool of 2 {len(batch) / t_pool:.0f}/s "
-              f"= {t_serial / t_pool:.2f}x serial (target >= 1.8x; same verdicts); two independent serial processes "
-              f"{len(batch) / t_ceiling:.0f}/s = {t_serial / t_ceiling:.2f}x (the machine's ceiling)")
+        print(
+            f"typical completions, run {rep}: serial {len(batch) / t_serial:.0f}/s, pool of 2 {len(batch) / t_pool:.0f}/s "
+            f"= {t_serial / t_pool:.2f}x serial (target >= 1.8x; same verdicts); two independent serial processes "
+            f"{len(batch) / t_ceiling:.0f}/s = {t_serial / t_ceiling:.2f}x (the machine's ceiling)"
+        )
 
-    bad = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{10000000!}", r"\boxed{" + r"\frac{1}{" * 100 + "2" + "}" * 100 + "}", "x" * 100_000]
+    bad = [
+        r"\boxed{9^{9^{9^{9}}}}",
+        r"\boxed{10000000!}",
+        r"\boxed{" + r"\frac{1}{" * 100 + "2" + "}" * 100 + "}",
+        "x" * 100_000,
+    ]
     for timeout_s in (1.0, 2.0, 1.0, 2.0):
         time.sleep(2)  # replacements of killed workers warm up, as they would during a training step
         clean = typical(60, rng)
@@ -178,6 +193,8 @@ if __name__ == "__main__":
         grades = G.grade_batch([c for c, _ in mixed], [g for _, g in mixed], timeout_s=timeout_s)
         dt = time.perf_counter() - t0
         zero = all(g.reward == 0 and g.parse_error for (c, _), g in zip(mixed, grades) if c in bad)
-        print(f"limit {timeout_s:.0f} s per sample: 60 typical alone {t_clean:.2f} s; 60 other typical + {len(bad)} "
-              f"pathological {dt:.2f} s = limit + {dt - timeout_s:.2f} s (target: <= limit + {t_clean:.2f} s); "
-              f"pathological ones score 0 with parse_error: {zero}")
+        print(
+            f"limit {timeout_s:.0f} s per sample: 60 typical alone {t_clean:.2f} s; 60 other typical + {len(bad)} "
+            f"pathological {dt:.2f} s = limit + {dt - timeout_s:.2f} s (target: <= limit + {t_clean:.2f} s); "
+            f"pathological ones score 0 with parse_error: {zero}"
+        )

@@ -56,11 +56,20 @@ if __name__ == "__main__":
         sys.exit()
     for weight_grad in (False, True):
         out = {}
-        print("lm_head weight", "trained: its [V, H] gradient counts too" if weight_grad else "frozen: activations only")
+        print(
+            "lm_head weight", "trained: its [V, H] gradient counts too" if weight_grad else "frozen: activations only"
+        )
         for way in ("naive", "chunked"):
-            r = subprocess.run([sys.executable, __file__, way, str(int(weight_grad))], capture_output=True, text=True, check=True)
+            r = subprocess.run(
+                [sys.executable, __file__, way, str(int(weight_grad))], capture_output=True, text=True, check=True
+            )
             out[way] = peak, value, grad = map(float, r.stdout.split())
             out[way] = (peak, value, grad)
             print(f"  {way:>8}: peak +{peak:,.0f} MB   sum of logprobs {value:.4f}   |grad of hidden| {grad:.4f}")
-        assert abs(out["naive"][1] - out["chunked"][1]) < 1e-2 and abs(out["naive"][2] - out["chunked"][2]) < 1e-3 * out["naive"][2]
-        print(f"  chunked / naive peak memory = {out['chunked'][0] / out['naive'][0]:.1%} (target <= 25%); same values and gradients")
+        assert (
+            abs(out["naive"][1] - out["chunked"][1]) < 1e-2
+            and abs(out["naive"][2] - out["chunked"][2]) < 1e-3 * out["naive"][2]
+        )
+        print(
+            f"  chunked / naive peak memory = {out['chunked'][0] / out['naive'][0]:.1%} (target <= 25%); same values and gradients"
+        )

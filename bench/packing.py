@@ -44,5 +44,7 @@ if __name__ == "__main__":
             ours.append(real_share(lengths, packed))
             fixed.append(real_share(lengths, naive))
             n_batches.append(len(packed))
-        print(f"{budget:>8} {sum(n_batches) / 20:>14.1f} {100 * sum(ours) / 20:>20.1f}% {100 * sum(fixed) / 20:>25.1f}%")
+        print(
+            f"{budget:>8} {sum(n_batches) / 20:>14.1f} {100 * sum(ours) / 20:>20.1f}% {100 * sum(fixed) / 20:>25.1f}%"
+        )
     print("target: packed >= 95% real tokens")

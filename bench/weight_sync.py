@@ -44,10 +44,24 @@ PACKED = 64 << 20  # bytes per buffer of the packed way
 TIMEOUT = datetime.timedelta(seconds=300)
 CONNECTIONS = 8  # gloo TCP connections of the push's group (the clients' default)
 SHAPES = {  # build_tiny_model's arguments
-    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=24,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -65,8 +79,11 @@ def gloo(store, rank, connections):
 def make_group(url):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-    r = requests.post(url + "/init_communicator", stream=True,
-                      json={"host": "127.0.0.1", "port": port, "world_size": 2, "connections": CONNECTIONS})
+    r = requests.post(
+        url + "/init_communicator",
+        stream=True,
+        json={"host": "127.0.0.1", "port": port, "world_size": 2, "connections": CONNECTIONS},
+    )
     it = lines(r)
     next(it)
     pg = gloo(store, 0, CONNECTIONS)
@@ -76,7 +93,9 @@ def make_group(url):
 
 def push(url, pg, named):
     """The clients' push_weights: one POST, then every tensor in order, one broadcast each, up to 1 GiB in flight."""
-    params = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in named.items()]
+    params = [
+        {"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in named.items()
+    ]
     r = requests.post(url + "/update_param_batch", json={"params": params}, stream=True)
     r.raise_for_status()
     it = lines(r)
@@ -181,8 +200,10 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     model_dir = build_tiny_model(os.path.join(tmp, "bench-qwen2"), **SHAPES[shape])
     from safetensors.torch import load_file
 
-    named = {k: (torch.randn_like(v) * 0.02).to(getattr(torch, dtype))
-             for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+    named = {
+        k: (torch.randn_like(v) * 0.02).to(getattr(torch, dtype))
+        for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
+    }
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     sizes = [t.numel() * t.element_size() for t in named.values()]
     print(f"model: {len(named)} tensors, {nbytes / 1e6:.1f} MB ({dtype}); torch threads {torch.get_num_threads()}")
@@ -209,27 +230,37 @@ def main(shape: str, dtype: str, tmp: str) -> None:
         return time.perf_counter() - t0
 
     for mode, flags in (("direct", []), ("layerwise reload", ["--no-direct-load"])):
-        proc, url = start_server(model_dir, os.path.join(tmp, f"server-{mode}.log"), "--max-num-seqs", "8",
-                                 "--dtype", dtype, *flags)
+        proc, url = start_server(
+            model_dir, os.path.join(tmp, f"server-{mode}.log"), "--max-num-seqs", "8", "--dtype", dtype, *flags
+        )
         try:
             pg, store = make_group(url)
             assert push(url, pg, named)["direct"] == (mode == "direct"), "the server did not take this load path"
             for r in range(REPEATS + 1):  # round 0: warm-up, not counted
                 raw = {}
                 for (c, way), rpg in raw_pgs.items():
-                    raw[c, way] = clock(f"raw, {names[way]}, {c} connection(s)", lambda: raw_transfer(
-                        rpg, way, one if way == "one" else each, staging, rank=0), keep=r > 0)
+                    raw[c, way] = clock(
+                        f"raw, {names[way]}, {c} connection(s)",
+                        lambda: raw_transfer(rpg, way, one if way == "one" else each, staging, rank=0),
+                        keep=r > 0,
+                    )
                 label = f"this protocol ({mode})"
                 pushed = clock(label, lambda: push(url, pg, named), keep=r > 0)
                 if r > 0:
                     for c in (1, CONNECTIONS):
-                        ratios.setdefault(f"{label} / one broadcast, {c} connection(s)", []).append(pushed / raw[c, "one"])
-                    ratios.setdefault(f"{label}, per round fastest", []).append(pushed / min(raw[1, "one"], raw[CONNECTIONS, "one"]))
+                        ratios.setdefault(f"{label} / one broadcast, {c} connection(s)", []).append(
+                            pushed / raw[c, "one"]
+                        )
+                    ratios.setdefault(f"{label}, per round fastest", []).append(
+                        pushed / min(raw[1, "one"], raw[CONNECTIONS, "one"])
+                    )
                     ratios.setdefault(f"{label}, per tensor", []).append(pushed / raw[CONNECTIONS, "each"])
             if mode == "direct":
                 groups = per_parameter_groups(list(named))
-                per_param = clock(f"per-parameter protocol ({len(groups)} requests)",
-                                  lambda: [push(url, pg, {n: named[n] for n in g}) for g in groups])
+                per_param = clock(
+                    f"per-parameter protocol ({len(groups)} requests)",
+                    lambda: [push(url, pg, {n: named[n] for n in g}) for g in groups],
+                )
                 ratios["per-parameter"] = [per_param / statistics.median(times["this protocol (direct)"])]
         finally:
             stop_server(proc)
@@ -237,7 +268,9 @@ def main(shape: str, dtype: str, tmp: str) -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     raw = min(med["raw, one broadcast, 1 connection(s)"], med[f"raw, one broadcast, {CONNECTIONS} connection(s)"])
-    print(f"\nmedians over {REPEATS} rounds per server, {2 * REPEATS} for the raw ways; x raw: vs the better one-broadcast")
+    print(
+        f"\nmedians over {REPEATS} rounds per server, {2 * REPEATS} for the raw ways; x raw: vs the better one-broadcast"
+    )
     print(f"{'way':<52} {'seconds':>8} {'GB/s':>6} {'x raw':>6}")
     for k, v in med.items():
         print(f"{k:<52} {v:8.3f} {nbytes / v / 1e9:6.2f} {v / raw:6.2f}")
@@ -247,17 +280,25 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     # the minimum of two, which is biased low: printed too, as a bound.)
     best = min((1, CONNECTIONS), key=lambda c: med[f"raw, one broadcast, {c} connection(s)"])
     key = f"this protocol (direct) / one broadcast, {best} connection(s)"
-    print(f"\nthis protocol / raw one broadcast ({best} connection(s)), same round (median) = {r[key]:.2f}x (target <= 1.3x)"
-          f"; per round: {' '.join(f'{x:.2f}' for x in ratios[key])}")
-    print(f"this protocol / the faster raw one broadcast of each round       = {r['this protocol (direct), per round fastest']:.2f}x")
-    print(f"this protocol / raw one broadcast per tensor, same round        = {r['this protocol (direct), per tensor']:.2f}x")
+    print(
+        f"\nthis protocol / raw one broadcast ({best} connection(s)), same round (median) = {r[key]:.2f}x (target <= 1.3x)"
+        f"; per round: {' '.join(f'{x:.2f}' for x in ratios[key])}"
+    )
+    print(
+        f"this protocol / the faster raw one broadcast of each round       = {r['this protocol (direct), per round fastest']:.2f}x"
+    )
+    print(
+        f"this protocol / raw one broadcast per tensor, same round        = {r['this protocol (direct), per tensor']:.2f}x"
+    )
     print(f"per-parameter / this protocol                          = {r['per-parameter']:.1f}x (target >= 3x)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="small", help="the random model's shapes")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and the push's")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and the push's"
+    )
     args, tmp = parser.parse_args(), tempfile.mkdtemp()
     try:
         main(args.shape, args.dtype, tmp)

@@ -22,7 +22,6 @@ PY = sys.executable
 
 from tiny_model import build_tiny_model  # noqa: E402
 
-
 _GIVEN: set[int] = set()
 
 
@@ -83,9 +82,22 @@ def start_server(model: str, log_path: str, *extra: str, port: int | None = None
 
 
 def _start_server(model: str, log_path: str, *extra: str, port: int, timeout: float):
-    cmd = [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
-           "--max-model-len", "1024", *extra]
+    cmd = [
+        PY,
+        os.path.join(ROOT, "vllm_sync_server.py"),
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-model-len",
+        "1024",
+        *extra,
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -143,10 +155,16 @@ class SyncClient:
 
         port = free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
-                                   wait_for_workers=False)
-        r = requests.post(self.url + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size":
-                          world_size, "connections": connections}, headers=self.headers, stream=True, timeout=self.timeout_s)
+        self.store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        r = requests.post(
+            self.url + "/init_communicator",
+            json={"host": "127.0.0.1", "port": port, "world_size": world_size, "connections": connections},
+            headers=self.headers,
+            stream=True,
+            timeout=self.timeout_s,
+        )
         r.raise_for_status()
         lines = read_lines(r)
         assert next(lines)["status"] == "joining"
@@ -165,13 +183,15 @@ class SyncClient:
         import torch
         import torch.distributed as dist
 
-        params = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                  for n, t in named.items()]
+        params = [
+            {"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in named.items()
+        ]
         body = {"params": params}
         if version is not None:
             body["version"] = version
-        r = requests.post(self.url + "/update_param_batch", json=body, headers=self.headers, stream=True,
-                          timeout=self.timeout_s)
+        r = requests.post(
+            self.url + "/update_param_batch", json=body, headers=self.headers, stream=True, timeout=self.timeout_s
+        )
         if not r.ok:
             return r
         lines = read_lines(r)

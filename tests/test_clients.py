@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
@@ -55,12 +56,16 @@ class FakeServer:
             self.seen.append((lines[0], headers))
             if self.mode == "answer":
                 out = json.dumps({"status": "ok", "version": 3, "results": [{"completions": []}]}).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                             b"Connection: close\r\n\r\n%s" % (len(out), out))
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                    b"Connection: close\r\n\r\n%s" % (len(out), out)
+                )
             elif self.mode == "first_line":
                 first = json.dumps({"status": "receiving"}).encode() + b"\n"
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
-                             b"%x\r\n%s\r\n" % (len(first), first))
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"%x\r\n%s\r\n" % (len(first), first)
+                )
         except OSError:
             pass
 
@@ -77,6 +82,7 @@ def fake(request):
     def start(mode):
         servers.append(FakeServer(mode))
         return servers[-1]
+
     yield start
     for s in servers:
         s.close()
@@ -96,6 +102,7 @@ def within(seconds: float, fn):
             out["value"] = fn()
         except Exception as e:  # noqa: BLE001
             out["value"] = e
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(seconds)
@@ -109,9 +116,15 @@ def test_every_request_in_the_scripts_has_a_timeout_and_the_key():
     copies = {}
     for name in SCRIPTS:
         src = open(os.path.join(ROOT, name + ".py")).read()
-        calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "requests"
-                 and n.func.attr in ("get", "post", "request")]
+        calls = [
+            n
+            for n in ast.walk(ast.parse(src))
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "requests"
+            and n.func.attr in ("get", "post", "request")
+        ]
         assert calls, name
         for call in calls:
             kw = {k.arg: k.value for k in call.keywords}
@@ -136,7 +149,7 @@ def test_clients_send_the_key_from_the_environment(fake, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY")
     for name, m in mods.items():
         m.post(server.url, "/generate", {"prompts": [[1]]})
-    assert not any("authorization" in h for _, h in server.seen[len(mods) + 1:])
+    assert not any("authorization" in h for _, h in server.seen[len(mods) + 1 :])
 
 
 def test_a_silent_server_is_an_error_naming_the_route(fake):
@@ -157,8 +170,14 @@ def test_a_server_stalled_mid_push_is_an_error_naming_the_route(fake, name):
     naming the URL and route. The old clients read the second line with no timeout at all."""
     m, server = importlib.import_module(name), fake("first_line")
     noop = SimpleNamespace(broadcast=lambda bufs, opts: SimpleNamespace(wait=lambda: None))
-    sync = {"url": server.url, "urls": [server.url], "pg": noop, "dtype": "float32", "device": torch.device("cpu"),
-            "timeout_s": 1}
+    sync = {
+        "url": server.url,
+        "urls": [server.url],
+        "pg": noop,
+        "dtype": "float32",
+        "device": torch.device("cpu"),
+        "timeout_s": 1,
+    }
     err, took = within(10, lambda: m.push_weights(sync, torch.nn.Linear(3, 2), 7))
     assert isinstance(err, RuntimeError), err
     assert f"{server.url}/update_param_batch stopped answering" in str(err), err

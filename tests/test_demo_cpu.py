@@ -15,8 +15,13 @@ SCRIPT = "demo_cpu.sh"
 def test_demo_learns_and_says_where_its_files_are(tmp_path):
     venv = os.path.dirname(os.path.dirname(sys.executable))  # the venv running the tests: set-up finds it ready
     env = {**os.environ, "VENV": venv, "DEMO_DIR": str(tmp_path / "demo")}
-    r = subprocess.run(["bash", os.path.join(ROOT, SCRIPT), "--vllm-port", str(free_port())], env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, SCRIPT), "--vllm-port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     chart = re.findall(r"^\s*(\d+)\s+(\d\.\d\d) \|#*$", r.stdout, re.M)
     assert [int(step) for step, _ in chart] == list(range(1, 31)), r.stdout
@@ -33,6 +38,20 @@ def test_demo_fails_on_a_flat_line(tmp_path):
     """A policy that does not learn (learning rate 0) is never shown as a success."""
     venv = os.path.dirname(os.path.dirname(sys.executable))
     env = {**os.environ, "VENV": venv, "DEMO_DIR": str(tmp_path / "demo")}
-    r = subprocess.run(["bash", os.path.join(ROOT, SCRIPT), "--vllm-port", str(free_port()), "--train-steps", "8",
-                        "--learning-rate", "0"], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            "bash",
+            os.path.join(ROOT, SCRIPT),
+            "--vllm-port",
+            str(free_port()),
+            "--train-steps",
+            "8",
+            "--learning-rate",
+            "0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 1 and "NOT LEARNED" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

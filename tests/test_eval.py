@@ -14,6 +14,7 @@ from fractions import Fraction
 
 import pytest
 import requests
+
 from conftest import PY, ROOT, free_port, start_server, stop_server
 
 sys.path.insert(0, ROOT)
@@ -70,17 +71,36 @@ def test_gsm8k_grade_agrees_with_grpo_gsm8k():
     import grpo_gsm8k as G
 
     gold = "Weng gets 4500 / 9 = <<4500/9=500>>500 apples.\n#### 1,500"
-    for c in ["\\boxed{1500}", "\\boxed{1,500}", "$\\boxed{\\$1,500.00}$", "1500", "\\boxed{1500", "\\boxed{15}",
-              "\\boxed{1500} or \\boxed{150}", "\\boxed{@@@}", "\\boxed{1.5\\text{ thousand}}"]:
+    for c in [
+        "\\boxed{1500}",
+        "\\boxed{1,500}",
+        "$\\boxed{\\$1,500.00}$",
+        "1500",
+        "\\boxed{1500",
+        "\\boxed{15}",
+        "\\boxed{1500} or \\boxed{150}",
+        "\\boxed{@@@}",
+        "\\boxed{1.5\\text{ thousand}}",
+    ]:
         assert E.grade(c, gold, "gsm8k") == G.grade(c, gold), c
 
 
 STRICT = [  # (completion, gold, (reward, correct, parse_error) with strict_format, the same without)
-    ("<think>2 + 5 = 7</think>\nThe answer is $\\boxed{7}$.", "7", (1.0, True, False), (1.0, True, False)),  # well-formed
+    (
+        "<think>2 + 5 = 7</think>\nThe answer is $\\boxed{7}$.",
+        "7",
+        (1.0, True, False),
+        (1.0, True, False),
+    ),  # well-formed
     ("<think>2 + 5 = 7</think>\\boxed{7}", "7", (1.0, True, False), (1.0, True, False)),  # bare box after </think>
     ("  <think>\nadd\n</think>\n\n\\boxed{7}\n", "7", (1.0, True, False), (1.0, True, False)),  # whitespace around
     ("<think>2 + 5 = 7</think>\\boxed{8}", "7", (0.0, False, False), (0.0, False, False)),  # well-formed, wrong
-    ("<think>so it is \\boxed{7}</think> The answer is 7.", "7", (0.0, False, True), (1.0, True, False)),  # box only in think
+    (
+        "<think>so it is \\boxed{7}</think> The answer is 7.",
+        "7",
+        (0.0, False, True),
+        (1.0, True, False),
+    ),  # box only in think
     ("<think>so it is \\boxed{7}", "7", (0.0, False, True), (1.0, True, False)),  # missing </think>
     ("<think>2 + 5 = 7. The answer is \\boxed{7}.", "7", (0.0, False, True), (1.0, True, False)),  # missing </think>
     ("The answer is \\boxed{7}.", "7", (0.0, False, True), (1.0, True, False)),  # no think
@@ -88,10 +108,30 @@ STRICT = [  # (completion, gold, (reward, correct, parse_error) with strict_form
     ("<think>x</think>\\boxed{7}</think>", "7", (0.0, False, True), (1.0, True, False)),  # stray tag after
     ("<think>a<think>b</think>\\boxed{7}", "7", (0.0, False, True), (1.0, True, False)),  # nested think
     ("<think>hmm</think>", "7", (0.0, False, True), (0.0, False, True)),  # no box at all
-    ("<think>hmm</think> so $\\boxed{\\frac{5}{6}}$", MATH500[0]["solution"], (1.0, True, False), (1.0, True, False)),  # nested braces
-    ("<think>hmm</think> $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$", MATH500[3]["answer"], (1.0, True, False), (1.0, True, False)),
-    ("<think>hmm</think> $\\boxed{\\frac{5}{6}$", "\\frac{5}{6}", (0.0, False, True), (0.0, False, True)),  # unbalanced box
-    ("<think>\\boxed{3}</think> first \\boxed{5}, no: \\boxed{7}", "7", (1.0, True, False), (1.0, True, False)),  # two boxes: the last
+    (
+        "<think>hmm</think> so $\\boxed{\\frac{5}{6}}$",
+        MATH500[0]["solution"],
+        (1.0, True, False),
+        (1.0, True, False),
+    ),  # nested braces
+    (
+        "<think>hmm</think> $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$",
+        MATH500[3]["answer"],
+        (1.0, True, False),
+        (1.0, True, False),
+    ),
+    (
+        "<think>hmm</think> $\\boxed{\\frac{5}{6}$",
+        "\\frac{5}{6}",
+        (0.0, False, True),
+        (0.0, False, True),
+    ),  # unbalanced box
+    (
+        "<think>\\boxed{3}</think> first \\boxed{5}, no: \\boxed{7}",
+        "7",
+        (1.0, True, False),
+        (1.0, True, False),
+    ),  # two boxes: the last
     ("<think>\\boxed{7}</think> first \\boxed{7}, no: \\boxed{8}", "7", (0.0, False, False), (0.0, False, False)),
 ]
 
@@ -120,8 +160,10 @@ def test_help_is_fast_and_imports_no_torch():
     r = subprocess.run([PY, EVAL, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--strict-format" in r.stdout and "--grade-timeout-s" in r.stdout
     assert time.time() - t0 < 3
-    code = ("import runpy, sys\nsys.argv = ['eval.py', '--help']\ntry:\n    runpy.run_path(%r, run_name='__main__')\n"
-            "except SystemExit:\n    pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'datasets', 'vllm', 'math_verify') if m in sys.modules))") % EVAL
+    code = (
+        "import runpy, sys\nsys.argv = ['eval.py', '--help']\ntry:\n    runpy.run_path(%r, run_name='__main__')\n"
+        "except SystemExit:\n    pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'datasets', 'vllm', 'math_verify') if m in sys.modules))"
+    ) % EVAL
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True)
     assert "HEAVY []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
@@ -146,12 +188,20 @@ ROW = re.compile(r"^\s*[│|┃]\s*([\w@]+)\s*[│|┃]\s*([-+0-9.eE]+)\s*[│|�
 def run_eval(workdir, *args, out, timeout=600):
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    r = subprocess.run([PY, EVAL, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"})
+    r = subprocess.run(
+        [PY, EVAL, *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(f"eval.py {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
     lines = [json.loads(x) for x in open(os.path.join(workdir, out))]
-    printed = {m.group(1): float(m.group(2)) for m in map(ROW.match, re.sub(r"\x1b\[[0-9;]*m", "", r.stdout).splitlines()) if m}
+    printed = {
+        m.group(1): float(m.group(2)) for m in map(ROW.match, re.sub(r"\x1b\[[0-9;]*m", "", r.stdout).splitlines()) if m
+    }
     return lines, printed, r
 
 
@@ -159,22 +209,44 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
     """One line per problem then a summary; every field present; the metrics equal the arithmetic over the lines."""
     assert len(lines) == limit + 1 and "summary" in lines[-1] and not any("summary" in x for x in lines[:-1])
     rows, s = lines[:-1], lines[-1]["summary"]
-    fields = {"index", "id", "prompt", "gold", "gold_answer", "completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"}
+    fields = {
+        "index",
+        "id",
+        "prompt",
+        "gold",
+        "gold_answer",
+        "completions",
+        "extracted",
+        "correct",
+        "parse_error",
+        "tokens",
+        "finish_reason",
+    }
     for i, row in enumerate(rows):
         assert set(row) == fields and row["index"] == i
-        assert all(len(row[k]) == n for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))
-        for text, ext, ok, bad, tok, fin in zip(*(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))):
+        assert all(
+            len(row[k]) == n for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason")
+        )
+        for text, ext, ok, bad, tok, fin in zip(
+            *(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))
+        ):
             assert 0 <= tok <= max_tokens and (fin != "length" or tok == max_tokens)
             assert ext == E.extract_answer(text, strict)
-            assert tuple(E.grade(text, row["gold"], task, strict)) == (float(ok), ok, bad)  # graded as the script graded
+            assert tuple(E.grade(text, row["gold"], task, strict)) == (
+                float(ok),
+                ok,
+                bad,
+            )  # graded as the script graded
             assert not (ok and bad)
     # recompute every metric from the lines
     flat = lambda key: [x for row in rows for x in row[key]]  # noqa: E731
-    want = {"accuracy": sum(row["correct"][0] for row in rows) / limit,
-            "correct_rate": sum(flat("correct")) / (limit * n),
-            "parse_err_rate": sum(flat("parse_error")) / (limit * n),
-            "avg_completion_length": sum(flat("tokens")) / (limit * n),
-            "total_completion_tokens": sum(flat("tokens"))}
+    want = {
+        "accuracy": sum(row["correct"][0] for row in rows) / limit,
+        "correct_rate": sum(flat("correct")) / (limit * n),
+        "parse_err_rate": sum(flat("parse_error")) / (limit * n),
+        "avg_completion_length": sum(flat("tokens")) / (limit * n),
+        "total_completion_tokens": sum(flat("tokens")),
+    }
     ks = [k for k in (1, 2, 4, 8, 16) if k <= n]
     for k in ks:  # the closed form with exact binomials, not the script's product
         want[f"pass@{k}"] = sum(1 - math.comb(n - sum(r["correct"]), k) / math.comb(n, k) for r in rows) / limit
@@ -184,7 +256,9 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
         assert printed[key] == pytest.approx(v, abs=1e-4), key
     assert "pass@1" in s and f"pass@{2 * ks[-1]}" not in s
     assert s["num_problems"] == limit and s["n"] == n and s["task"] == task and s["strict_format"] == strict
-    assert "{question}" in s["template"] and all(r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit)))
+    assert "{question}" in s["template"] and all(
+        r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit))
+    )
     return rows, s
 
 
@@ -196,8 +270,20 @@ def questions(task, limit):
 
 def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
     port = server.rsplit(":", 1)[1]
-    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"),
-                                 "--vllm-port", port, "--limit", "4", "--max-tokens", "16", out="gsm8k_eval.jsonl")
+    lines, printed, _ = run_eval(
+        tmp_path,
+        "--model",
+        tiny_model,
+        "--dataset",
+        os.path.join(FIXTURES, "gsm8k"),
+        "--vllm-port",
+        port,
+        "--limit",
+        "4",
+        "--max-tokens",
+        "16",
+        out="gsm8k_eval.jsonl",
+    )
     rows, s = check_output(lines, printed, n=1, limit=4, max_tokens=16, task="gsm8k")
     assert s["model"] == s["served_model"] == tiny_model and s["temperature"] == 0.0 and s["system_prompt"] == ""
     assert rows[0]["gold"].endswith("#### 777") and rows[0]["gold_answer"] == "777"
@@ -208,7 +294,9 @@ def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     for row in rows[:2]:
         ids = tok.encode(row["prompt"], add_special_tokens=False)
-        res = requests.post(server + "/generate", json={"prompts": [ids], "n": 1, "temperature": 0.0, "max_tokens": 16}).json()
+        res = requests.post(
+            server + "/generate", json={"prompts": [ids], "n": 1, "temperature": 0.0, "max_tokens": 16}
+        ).json()
         c = res["results"][0]["completions"][0]
         assert c["text"] == row["completions"][0] and len(c["token_ids"]) == row["tokens"][0]
 
@@ -216,9 +304,27 @@ def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
 def test_end_to_end_math500_strict_with_system_prompt(server, tiny_model, tmp_path):
     port = server.rsplit(":", 1)[1]
     system = "Think in <think></think>, then put the final answer in \\boxed{}."
-    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--task", "math500", "--dataset", os.path.join(FIXTURES, "math500"),
-                                 "--vllm-port", port, "--limit", "4", "--max-tokens", "16", "--system-prompt", system,
-                                 "--strict-format", "--out", "m.jsonl", out="m.jsonl")
+    lines, printed, _ = run_eval(
+        tmp_path,
+        "--model",
+        tiny_model,
+        "--task",
+        "math500",
+        "--dataset",
+        os.path.join(FIXTURES, "math500"),
+        "--vllm-port",
+        port,
+        "--limit",
+        "4",
+        "--max-tokens",
+        "16",
+        "--system-prompt",
+        system,
+        "--strict-format",
+        "--out",
+        "m.jsonl",
+        out="m.jsonl",
+    )
     rows, s = check_output(lines, printed, n=1, limit=4, max_tokens=16, task="math500", strict=True)
     assert s["system_prompt"] == system and system in s["template"] and s["dataset"].endswith("math500")
     assert [r["gold"] for r in rows] == [r["answer"] for r in MATH500[:4]]  # MATH-500's answer field is the gold
@@ -227,8 +333,26 @@ def test_end_to_end_math500_strict_with_system_prompt(server, tiny_model, tmp_pa
 
 def test_end_to_end_pass_at_k_sampled(server, tiny_model, tmp_path):
     port = server.rsplit(":", 1)[1]
-    args = ["--model", tiny_model, "--task", "math500", "--dataset", os.path.join(FIXTURES, "math500"), "--vllm-port", port,
-            "--limit", "4", "--max-tokens", "16", "--n", "4", "--temperature", "1.0", "--seed", "3"]
+    args = [
+        "--model",
+        tiny_model,
+        "--task",
+        "math500",
+        "--dataset",
+        os.path.join(FIXTURES, "math500"),
+        "--vllm-port",
+        port,
+        "--limit",
+        "4",
+        "--max-tokens",
+        "16",
+        "--n",
+        "4",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "3",
+    ]
     lines, printed, _ = run_eval(tmp_path / "a", *args, out="math500_eval.jsonl")
     rows, s = check_output(lines, printed, n=4, limit=4, max_tokens=16, task="math500")
     assert s["temperature"] == 1.0 and {"pass@1", "pass@2", "pass@4"} <= set(s)
@@ -243,9 +367,22 @@ def test_end_to_end_start_server(tiny_model, tmp_path):
     """--start-server launches vllm_sync_server.py itself, evaluates, and stops it at exit."""
     port = free_port()
     server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
-    lines, printed, _ = run_eval(tmp_path, "--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"), "--start-server",
-                                 f"--server-args={server_args}", "--vllm-port", str(port), "--limit", "2", "--max-tokens", "8",
-                                 out="gsm8k_eval.jsonl")
+    lines, printed, _ = run_eval(
+        tmp_path,
+        "--model",
+        tiny_model,
+        "--dataset",
+        os.path.join(FIXTURES, "gsm8k"),
+        "--start-server",
+        f"--server-args={server_args}",
+        "--vllm-port",
+        str(port),
+        "--limit",
+        "2",
+        "--max-tokens",
+        "8",
+        out="gsm8k_eval.jsonl",
+    )
     check_output(lines, printed, n=1, limit=2, max_tokens=8, task="gsm8k")
     assert os.path.exists(tmp_path / "vllm_server.log")  # the server's output goes there
     deadline = time.time() + 60  # the server got SIGTERM at exit: it stops answering

@@ -20,7 +20,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["grpo_gsm8k", "eval", "reinforce_math_fsdp2", "pipeline_actor"]  # every script that carries a copy of the grading block
+MODULES = [
+    "grpo_gsm8k",
+    "eval",
+    "reinforce_math_fsdp2",
+    "pipeline_actor",
+]  # every script that carries a copy of the grading block
 # Extra arguments of a module's grade(completion, gold, ...): eval.py grades several tasks; its "math500" takes
 # the gold as an already-extracted answer, as the case file writes it (MATH-500's `answer` field).
 GRADE_ARGS = {"eval": ("math500",)}
@@ -28,7 +33,10 @@ GRADE_ARGS = {"eval": ("math500",)}
 GRADE_KW = {"reinforce_math_fsdp2": {"strict_format": False}}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
 STRICT_FILE = ROOT / "tests" / "grading_cases_strict.jsonl"
-STRICT_MODULES = {"reinforce_math_fsdp2": {}, "eval": {"strict_format": True}}  # the copies that grade the strict format
+STRICT_MODULES = {
+    "reinforce_math_fsdp2": {},
+    "eval": {"strict_format": True},
+}  # the copies that grade the strict format
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -101,7 +109,9 @@ def test_extraction(module):
     m = _load(module)
     gsm8k = ("gsm8k",) if module == "eval" else ()  # golds in GSM8K's raw form
     if module != "reinforce_math_fsdp2":  # a MATH trainer: its golds are MATH solutions
-        assert m.grade("So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200", *gsm8k).correct
+        assert m.grade(
+            "So she pays $\\boxed{1,200}$.", "She pays 3 * 400 = <<3*400=1200>>1200.\n#### 1,200", *gsm8k
+        ).correct
         assert m.grade("\\boxed{-7}", "#### -7", *gsm8k).correct
     else:
         assert _grade(module, "So she pays $\\boxed{1,200}$.", r"She pays $\boxed{1200}$ dollars.").correct
@@ -240,8 +250,11 @@ def test_grade_batch_under_load_changes_no_verdict():
         for p in busy:
             p.kill(), p.wait()
     print(f"{len(CASES)} cases under 2 busy processes ({os.cpu_count()} threads each): {elapsed:.1f}s")
-    changed = [(i, CASES[i]["note"], tuple(g)) for i, (g, c) in enumerate(zip(grades, CASES))
-               if (g.correct, g.parse_error) != (c["correct"], c["parse_error"])]
+    changed = [
+        (i, CASES[i]["note"], tuple(g))
+        for i, (g, c) in enumerate(zip(grades, CASES))
+        if (g.correct, g.parse_error) != (c["correct"], c["parse_error"])
+    ]
     assert changed == []
 
 
@@ -252,8 +265,9 @@ def test_grade_batch_from_non_main_thread(module):
 
     def run():
         try:
-            out["grades"] = _batch(module, [c for c, _, _ in NORMAL] + [PATHOLOGICAL[1]],
-                                          [g for _, g, _ in NORMAL] + ["5"], timeout_s=2.0)
+            out["grades"] = _batch(
+                module, [c for c, _, _ in NORMAL] + [PATHOLOGICAL[1]], [g for _, g, _ in NORMAL] + ["5"], timeout_s=2.0
+            )
         except BaseException as e:  # surfaced below
             out["error"] = e
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import requests
 import torch
+
 from conftest import PY, ROOT, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
@@ -98,9 +99,12 @@ def test_policy_loss_against_naive(loss_type):
     mask[1, 5:] = 0
     mask[3, 2:] = 0
     L = lambda x: x.tolist()  # noqa: E731
-    for kw, nkw in [({}, {}), ({"ref_logprobs": ref, "beta": 0.1}, {"ref": L(ref), "beta": 0.1}),
-                    ({"sampling_logprobs": samp, "tis_cap": 2.0}, {"samp": L(samp), "cap": 2.0}),
-                    ({"max_completion_length": 16}, {"lmax": 16})]:
+    for kw, nkw in [
+        ({}, {}),
+        ({"ref_logprobs": ref, "beta": 0.1}, {"ref": L(ref), "beta": 0.1}),
+        ({"sampling_logprobs": samp, "tis_cap": 2.0}, {"samp": L(samp), "cap": 2.0}),
+        ({"max_completion_length": 16}, {"lmax": 16}),
+    ]:
         got = G.policy_loss(lp, old, adv, mask, 0.2, 0.28, loss_type, **kw)
         want = naive_loss(L(lp), L(old), L(adv), L(mask), 0.2, 0.28, loss_type, **nkw)
         assert abs(got.item() - want) < 1e-5, (kw.keys(), got.item(), want)
@@ -188,14 +192,39 @@ def toy(tmp_path_factory):
 
 def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
     port = url.rsplit(":", 1)[1]
-    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", os.path.join(FIXTURES, dataset),
-           "--vllm-port", port, "--max-completion-tokens", "16", "--rollouts-per-update", "8", "--group-size", "8",
-           "--learning-rate", "3e-3", "--system-prompt", "", "--eval-every", "0", "--checkpoint-dir", "ckpt", *extra]
+    cmd = [
+        PY,
+        os.path.join(ROOT, "grpo_gsm8k.py"),
+        "--model",
+        model,
+        "--dataset",
+        os.path.join(FIXTURES, dataset),
+        "--vllm-port",
+        port,
+        "--max-completion-tokens",
+        "16",
+        "--rollouts-per-update",
+        "8",
+        "--group-size",
+        "8",
+        "--learning-rate",
+        "3e-3",
+        "--system-prompt",
+        "",
+        "--eval-every",
+        "0",
+        "--checkpoint-dir",
+        "ckpt",
+        *extra,
+    ]
     os.makedirs(workdir, exist_ok=True)
     r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    metrics = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-               for line in r.stdout.splitlines() if re.match(r"step \d+: ", line)]
+    metrics = [
+        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+        for line in r.stdout.splitlines()
+        if re.match(r"step \d+: ", line)
+    ]
     return r.stdout, metrics
 
 
@@ -239,11 +268,38 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
     # A: 2 steps, tiny micro-batches, a checkpoint every step, every push verified by checksum; sampling at
     # temperature 0.7, so the trainer's logprobs must follow the temperature to agree with the sampler's
     hot = ("--train-temperature", "0.7")
-    out, m = run_script(server, tmp_path / "A", "--train-steps", "2", "--save-every", "1", "--verify-sync",
-                        "--micro-token-budget", "48", "--eval-every", "2", "--eval-limit", "4", *hot, model=tiny_model)
+    out, m = run_script(
+        server,
+        tmp_path / "A",
+        "--train-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--verify-sync",
+        "--micro-token-budget",
+        "48",
+        "--eval-every",
+        "2",
+        "--eval-limit",
+        "4",
+        *hot,
+        model=tiny_model,
+    )
     assert [int(x["version"]) for x in m] == [1, 2] and "eval/accuracy" in m[1]
-    for key in ("loss", "reward", "correct_rate", "parse_err_rate", "avg_completion_length", "total_completion_tokens",
-                "clip_frac", "kl", "logprob_mismatch", "sync_s", "step_s", "tokens_per_s"):
+    for key in (
+        "loss",
+        "reward",
+        "correct_rate",
+        "parse_err_rate",
+        "avg_completion_length",
+        "total_completion_tokens",
+        "clip_frac",
+        "kl",
+        "logprob_mismatch",
+        "sync_s",
+        "step_s",
+        "tokens_per_s",
+    ):
         assert key in m[0], key
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # the trainer agrees with the sampler
     rollouts = [json.loads(x) for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
@@ -261,14 +317,35 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
 
     # B: resume A for one more step; C: the same 3 steps straight. Identical weights: resume restores
     # the step, the data position, the RNG and the optimizer state (Adam's moments change the update)
-    out, m = run_script(server, tmp_path / "A", "--train-steps", "3", "--save-every", "1", "--micro-token-budget", "48",
-                        "--resume", *hot, model=tiny_model)
+    out, m = run_script(
+        server,
+        tmp_path / "A",
+        "--train-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--micro-token-budget",
+        "48",
+        "--resume",
+        *hot,
+        model=tiny_model,
+    )
     assert "resumed from ckpt/step_2 at step 2" in out and [x["version"] for x in m] == ["3"]
     # every sample of the run, over prompts, samples, steps and the resume, drew its own random stream
     seeds = [json.loads(x)["seed"] for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
     assert len(seeds) == 3 * 64 and len(set(seeds)) == len(seeds)
-    _, m = run_script(server, tmp_path / "C", "--train-steps", "3", "--save-every", "1", "--micro-token-budget", "48",
-                      *hot, model=tiny_model)
+    _, m = run_script(
+        server,
+        tmp_path / "C",
+        "--train-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--micro-token-budget",
+        "48",
+        *hot,
+        model=tiny_model,
+    )
     a3, c3 = load_weights(tmp_path / "A" / "ckpt" / "step_3"), load_weights(tmp_path / "C" / "ckpt" / "step_3")
     assert max((a3[k] - c3[k]).abs().max().item() for k in a3) < 1e-6
     assert max((a3[k] - w2[k]).abs().max().item() for k in a3) > 1e-4  # and the step did change the weights
@@ -279,8 +356,21 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
         runs, logged = {}, {}
         for budget in ("48", "100000"):
             d = tmp_path / f"D_{loss_type}_{budget}"
-            _, m = run_script(server, d, "--train-steps", "1", "--save-every", "1", "--micro-token-budget", budget,
-                              "--loss-type", loss_type, "--rollouts-per-update", "16", model=tiny_model)
+            _, m = run_script(
+                server,
+                d,
+                "--train-steps",
+                "1",
+                "--save-every",
+                "1",
+                "--micro-token-budget",
+                budget,
+                "--loss-type",
+                loss_type,
+                "--rollouts-per-update",
+                "16",
+                model=tiny_model,
+            )
             runs[budget], logged[budget] = load_weights(d / "ckpt" / "step_1"), m[0]
         # the gradient's size (Adam's first step would hide a uniform scaling error) ...
         g_small, g_big = float(logged["48"]["grad_norm"]), float(logged["100000"]["grad_norm"])

@@ -7,8 +7,8 @@ import math
 import os
 import pickle
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +19,7 @@ import pytest
 import redis
 import requests
 import torch
+
 from conftest import PY, ROOT, SERVER_LOGS, free_port, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
@@ -26,7 +27,9 @@ import pipeline_actor as A  # noqa: E402
 import pipeline_learner as L  # noqa: E402
 
 TOY = os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy")
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -42,8 +45,11 @@ def toy(tmp_path_factory):
 
 
 def start_redis(port: int, log_path: str):
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+    )
     client = redis.Redis(port=port)
     for _ in range(100):
         try:
@@ -67,14 +73,36 @@ def rds(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------
 # helpers: the scripts as subprocesses (CleanRL style)
 def actor_cmd(urls, redis_url, key, *extra):
-    return [PY, os.path.join(ROOT, "pipeline_actor.py"), "--redis-url", redis_url, "--queue-key", key, "--vllm-urls", *urls,
-            "--dataset", TOY, "--system-prompt", "", "--max-completion-tokens", "16", "--log-every-s", "0", *extra]
+    return [
+        PY,
+        os.path.join(ROOT, "pipeline_actor.py"),
+        "--redis-url",
+        redis_url,
+        "--queue-key",
+        key,
+        "--vllm-urls",
+        *urls,
+        "--dataset",
+        TOY,
+        "--system-prompt",
+        "",
+        "--max-completion-tokens",
+        "16",
+        "--log-every-s",
+        "0",
+        *extra,
+    ]
 
 
 def start_actor(urls, redis_url, key, log_path, *extra):
     """An actor in its own process group (with its grading workers), killed by kill_actor."""
-    return subprocess.Popen(actor_cmd(urls, redis_url, key, *extra), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        actor_cmd(urls, redis_url, key, *extra),
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def kill_actor(proc, sig=signal.SIGKILL):
@@ -85,21 +113,46 @@ def kill_actor(proc, sig=signal.SIGKILL):
 
 def prefill(urls, redis_url, key, actor_id, groups, tmp_path, *extra):
     """Run an actor to completion with no learner: `groups` x 8 records of the servers' current version."""
-    r = subprocess.run(actor_cmd(urls, redis_url, key, "--actor-id", actor_id, "--max-steps", str(groups),
-                                 "--max-lag", "1000", *extra), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        actor_cmd(
+            urls, redis_url, key, "--actor-id", actor_id, "--max-steps", str(groups), "--max-lag", "1000", *extra
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
 
 def learner_cmd(urls, model, redis_url, key, *extra):
-    return [PY, os.path.join(ROOT, "pipeline_learner.py"), "--model", model, "--redis-url", redis_url, "--queue-key", key,
-            "--vllm-urls", *urls, "--learning-rate", "3e-3", "--checkpoint-dir", "ckpt", "--rollout-log", "rollouts.jsonl", *extra]
+    return [
+        PY,
+        os.path.join(ROOT, "pipeline_learner.py"),
+        "--model",
+        model,
+        "--redis-url",
+        redis_url,
+        "--queue-key",
+        key,
+        "--vllm-urls",
+        *urls,
+        "--learning-rate",
+        "3e-3",
+        "--checkpoint-dir",
+        "ckpt",
+        "--rollout-log",
+        "rollouts.jsonl",
+        *extra,
+    ]
 
 
 def run_learner(urls, model, redis_url, key, workdir, *extra, timeout=600):
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(learner_cmd(urls, model, redis_url, key, *extra), cwd=workdir, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        learner_cmd(urls, model, redis_url, key, *extra), cwd=workdir, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r.stdout, metrics_of(r.stdout)
 
@@ -113,8 +166,11 @@ def wait_for(log_path, text: str, proc, timeout: float = 300) -> None:
 
 
 def metrics_of(stdout: str) -> list[dict]:
-    return [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-            for line in stdout.splitlines() if re.match(r"step \d+: ", line)]
+    return [
+        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+        for line in stdout.splitlines()
+        if re.match(r"step \d+: ", line)
+    ]
 
 
 def rollouts(workdir) -> list[dict]:
@@ -131,8 +187,18 @@ def server_matches(url, ckpt_dir) -> bool:
 
 
 def record(**over) -> dict:
-    rec = {"schema": 1, "id": "t/0/0", "group_id": "t/0", "prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9],
-           "logprobs": [-1.5, -0.5], "reward": 1.0, "advantage": 0.5, "version_min": 0, "version_max": 0}
+    rec = {
+        "schema": 1,
+        "id": "t/0/0",
+        "group_id": "t/0",
+        "prompt_token_ids": [5, 6, 7],
+        "completion_token_ids": [8, 9],
+        "logprobs": [-1.5, -0.5],
+        "reward": 1.0,
+        "advantage": 0.5,
+        "version_min": 0,
+        "version_max": 0,
+    }
     return {**rec, **over}
 
 
@@ -155,13 +221,25 @@ def test_decode_record():
     good = record()
     assert L.decode_record(msgpack.packb(good), 128) == (good, None)
     assert L.decode_record(json.dumps(good).encode(), 128) == (good, None)
-    bad = [pickle.dumps(good), b"\x00garbage", b'{"schema": 1', msgpack.packb([1, 2]), msgpack.packb(record(reward="1")),
-           msgpack.packb({k: v for k, v in good.items() if k != "logprobs"}), msgpack.packb(record(logprobs=[-1.0])),
-           msgpack.packb(record(completion_token_ids=[8, 128])), msgpack.packb(record(prompt_token_ids=[-1])),
-           msgpack.packb(record(version_min=3, version_max=2)), msgpack.packb(record(schema=2)),
-           json.dumps(record(advantage=float("nan"))).encode(), msgpack.packb(record(version_max=True)),
-           msgpack.packb(record(prompt_token_ids=[])), msgpack.packb(record(logprobs=[-1.0, 3.0])),
-           msgpack.packb(record(temperature=0.7)), msgpack.packb(record(temperature="1"))]
+    bad = [
+        pickle.dumps(good),
+        b"\x00garbage",
+        b'{"schema": 1',
+        msgpack.packb([1, 2]),
+        msgpack.packb(record(reward="1")),
+        msgpack.packb({k: v for k, v in good.items() if k != "logprobs"}),
+        msgpack.packb(record(logprobs=[-1.0])),
+        msgpack.packb(record(completion_token_ids=[8, 128])),
+        msgpack.packb(record(prompt_token_ids=[-1])),
+        msgpack.packb(record(version_min=3, version_max=2)),
+        msgpack.packb(record(schema=2)),
+        json.dumps(record(advantage=float("nan"))).encode(),
+        msgpack.packb(record(version_max=True)),
+        msgpack.packb(record(prompt_token_ids=[])),
+        msgpack.packb(record(logprobs=[-1.0, 3.0])),
+        msgpack.packb(record(temperature=0.7)),
+        msgpack.packb(record(temperature="1")),
+    ]
     for raw in bad:
         rec, why = L.decode_record(raw, 128)
         assert rec is None and why, raw
@@ -211,21 +289,41 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
     url, model = toy
     redis_url, r = rds
     v_start = requests.get(url + "/runtime_version").json()["version"]
-    actor = start_actor([url], redis_url, "e2e", tmp_path / "actor.log", "--records-per-version", "16", "--max-lag", "2")
+    actor = start_actor(
+        [url], redis_url, "e2e", tmp_path / "actor.log", "--records-per-version", "16", "--max-lag", "2"
+    )
     long_runs, stop = [], threading.Event()
 
     def long_requests():  # a bounded number of long requests while the learner pushes: a server decoding nonstop
         for _ in range(3):  # would starve the actor and the learner of the two cores
             if stop.is_set():
                 return
-            res = requests.post(url + "/generate", json={"prompts": [[5, 6, 7]], "max_tokens": 300, "ignore_eos": True},
-                                timeout=300)
+            res = requests.post(
+                url + "/generate", json={"prompts": [[5, 6, 7]], "max_tokens": 300, "ignore_eos": True}, timeout=300
+            )
             long_runs.append(res.json()["results"][0]["completions"][0])
 
     thread = threading.Thread(target=long_requests, daemon=True)
-    learner = subprocess.Popen(learner_cmd([url], model, redis_url, "e2e", "--train-steps", "3", "--batch-size", "16",
-                                           "--max-lag", "3", "--verify-sync", "--save-every", "1"),
-                               cwd=tmp_path, stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT)
+    learner = subprocess.Popen(
+        learner_cmd(
+            [url],
+            model,
+            redis_url,
+            "e2e",
+            "--train-steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--max-lag",
+            "3",
+            "--verify-sync",
+            "--save-every",
+            "1",
+        ),
+        cwd=tmp_path,
+        stdout=open(tmp_path / "learner.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         # from just before the learner's first push, not earlier: a server decoding nonstop slows the learner's
         # start-up many times over on a 2-core machine. A push lands in a long request, and the requests stop.
@@ -237,8 +335,21 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
         m = metrics_of(open(tmp_path / "learner.log").read())
         versions = [int(x["version"]) for x in m]
         assert len(m) == 3 and versions == [v_start + 2, v_start + 3, v_start + 4], (v_start, versions)
-        for key in ("loss", "reward", "lag_hist", "dropped", "dropped_total", "samples_per_s", "idle_frac", "queue_len",
-                    "clip_frac", "ratio", "logprob_mismatch", "sync_s", "grad_norm"):
+        for key in (
+            "loss",
+            "reward",
+            "lag_hist",
+            "dropped",
+            "dropped_total",
+            "samples_per_s",
+            "idle_frac",
+            "queue_len",
+            "clip_frac",
+            "ratio",
+            "logprob_mismatch",
+            "sync_s",
+            "grad_norm",
+        ):
             assert key in m[0], key
         # paused and resumed, not dropped: every request ran to its end; its version spans cover its tokens in order
         assert long_runs and all(len(c["token_ids"]) == 300 and c["finish_reason"] == "length" for c in long_runs)
@@ -248,10 +359,25 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
             assert all(a["end"] == b["start"] and a["version"] < b["version"] for a, b in zip(spans, spans[1:])), spans
         assert requests.get(url + "/runtime_version").json()["version"] == versions[-1]
         assert server_matches(url, tmp_path / "ckpt" / "step_3")
-        out, m = run_learner([url], model, redis_url, "e2e", tmp_path, "--train-steps", "4", "--batch-size", "16",
-                             "--max-lag", "3", "--verify-sync", "--resume")
+        out, m = run_learner(
+            [url],
+            model,
+            redis_url,
+            "e2e",
+            tmp_path,
+            "--train-steps",
+            "4",
+            "--batch-size",
+            "16",
+            "--max-lag",
+            "3",
+            "--verify-sync",
+            "--resume",
+        )
         assert "resumed from ckpt/step_3 at step 3" in out and f"as version {versions[-1] + 1}" in out
-        assert [x["version"] for x in m] == [str(versions[-1] + 2)] and server_matches(url, tmp_path / "ckpt" / "step_4")
+        assert [x["version"] for x in m] == [str(versions[-1] + 2)] and server_matches(
+            url, tmp_path / "ckpt" / "step_4"
+        )
     finally:
         stop.set()
         kill_actor(actor)
@@ -266,8 +392,19 @@ def test_max_lag_drops_stale_records(toy, rds, tmp_path):
     url, model = toy
     redis_url, r = rds
     prefill([url], redis_url, "lag", "old", 2, tmp_path)
-    _, m = run_learner([url], model, redis_url, "lag", tmp_path / "big", "--train-steps", "1", "--batch-size", "16",
-                       "--max-lag", "1000")
+    _, m = run_learner(
+        [url],
+        model,
+        redis_url,
+        "lag",
+        tmp_path / "big",
+        "--train-steps",
+        "1",
+        "--batch-size",
+        "16",
+        "--max-lag",
+        "1000",
+    )
     rows = rollouts(tmp_path / "big")
     assert m[0]["dropped_total"] == "0" and m[0]["trained_total"] == "16" and m[0]["lag_hist"] == "1:16"
     assert len(rows) == 16 and all(x["status"] == "trained" and x["id"].startswith("old/") for x in rows)
@@ -275,11 +412,34 @@ def test_max_lag_drops_stale_records(toy, rds, tmp_path):
     # sampled at temperature 0.7: the learner's logprobs must follow it to agree with the fresh records'
     hot = ("--temperature", "0.7")
     prefill([url], redis_url, "lag", "old2", 2, tmp_path, *hot)
-    actor = start_actor([url], redis_url, "lag", tmp_path / "actor.log", "--actor-id", "new", "--max-lag", "0",
-                        "--records-per-version", "16", *hot)
+    actor = start_actor(
+        [url],
+        redis_url,
+        "lag",
+        tmp_path / "actor.log",
+        "--actor-id",
+        "new",
+        "--max-lag",
+        "0",
+        "--records-per-version",
+        "16",
+        *hot,
+    )
     try:
-        _, m = run_learner([url], model, redis_url, "lag", tmp_path / "zero", "--train-steps", "2", "--batch-size", "16",
-                           "--max-lag", "0", *hot)
+        _, m = run_learner(
+            [url],
+            model,
+            redis_url,
+            "lag",
+            tmp_path / "zero",
+            "--train-steps",
+            "2",
+            "--batch-size",
+            "16",
+            "--max-lag",
+            "0",
+            *hot,
+        )
     finally:
         kill_actor(actor)
     rows = rollouts(tmp_path / "zero")
@@ -307,9 +467,12 @@ def test_actor_killed_and_restarted(toy, rds, tmp_path):
     redis_url, r = rds
     extra = ("--records-per-version", "16", "--max-lag", "0")  # a1 is at most 64 records ahead: a2 must supply the rest
     os.makedirs(tmp_path / "L")
-    learner = subprocess.Popen(learner_cmd([url], model, redis_url, "kill", "--train-steps", "6", "--batch-size", "16",
-                                           "--max-lag", "1000"), cwd=tmp_path / "L", stdout=open(tmp_path / "learner.log", "w"),
-                               stderr=subprocess.STDOUT)
+    learner = subprocess.Popen(
+        learner_cmd([url], model, redis_url, "kill", "--train-steps", "6", "--batch-size", "16", "--max-lag", "1000"),
+        cwd=tmp_path / "L",
+        stdout=open(tmp_path / "learner.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     actor = start_actor([url], redis_url, "kill", tmp_path / "a1.log", "--actor-id", "a1", *extra)
     try:
         wait_for(tmp_path / "learner.log", "step 2:", learner)
@@ -339,13 +502,20 @@ def test_bad_records_are_rejected(toy, rds, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    bad = [pickle.dumps(Evil()), b"hello", msgpack.packb({"schema": 1, "id": "x"}), b'{"schema": 1, "id": "x"}',
-           msgpack.packb(record(completion_token_ids=[8, 999])), msgpack.packb(record(logprobs=[-1.0])),
-           msgpack.packb(record(temperature=0.6))]
+    bad = [
+        pickle.dumps(Evil()),
+        b"hello",
+        msgpack.packb({"schema": 1, "id": "x"}),
+        b'{"schema": 1, "id": "x"}',
+        msgpack.packb(record(completion_token_ids=[8, 999])),
+        msgpack.packb(record(logprobs=[-1.0])),
+        msgpack.packb(record(temperature=0.6)),
+    ]
     good = [msgpack.packb(record(id=f"good/{i}")) for i in range(8)]
     r.rpush("bad", *(bad[:3] + good[:4] + bad[3:] + good[4:]))
-    out, m = run_learner([url], model, redis_url, "bad", tmp_path, "--train-steps", "1", "--batch-size", "8",
-                         "--max-lag", "1000000")
+    out, m = run_learner(
+        [url], model, redis_url, "bad", tmp_path, "--train-steps", "1", "--batch-size", "8", "--max-lag", "1000000"
+    )
     reasons = re.findall(r"WARNING: rejected a record of \d+ bytes: (.*)", out)
     assert len(reasons) == len(bad) and m[0]["rejected_total"] == str(len(bad)) and m[0]["trained_total"] == "8", out
     assert "neither JSON nor msgpack" in reasons[0] and "token ids" in reasons[4] and "logprobs" in reasons[5]
@@ -357,17 +527,48 @@ def test_learning_on_toy_task(toy, rds, tmp_path):
     """5. Pipeline RL pushes the toy task's mean reward up within 20 steps, one version of lag allowed."""
     url, model = toy
     redis_url, r = rds
-    actor = start_actor([url], redis_url, "learn", tmp_path / "actor.log", "--records-per-version", "64", "--max-lag", "1",
-                        "--concurrency", "8")
+    actor = start_actor(
+        [url],
+        redis_url,
+        "learn",
+        tmp_path / "actor.log",
+        "--records-per-version",
+        "64",
+        "--max-lag",
+        "1",
+        "--concurrency",
+        "8",
+    )
     try:
-        _, m = run_learner([url], model, redis_url, "learn", tmp_path, "--train-steps", "20", "--batch-size", "64",
-                           "--max-lag", "1", "--save-every", "100")
+        _, m = run_learner(
+            [url],
+            model,
+            redis_url,
+            "learn",
+            tmp_path,
+            "--train-steps",
+            "20",
+            "--batch-size",
+            "64",
+            "--max-lag",
+            "1",
+            "--save-every",
+            "100",
+        )
     finally:
         kill_actor(actor)
     rewards = [float(x["reward"]) for x in m]
     first, last = sum(rewards[:3]) / 3, sum(rewards[15:]) / 5
-    print("rewards", rewards, "step_s", [x["step_s"] for x in m], "idle_frac", [x["idle_frac"] for x in m],
-          "sync_s", [x["sync_s"] for x in m])
+    print(
+        "rewards",
+        rewards,
+        "step_s",
+        [x["step_s"] for x in m],
+        "idle_frac",
+        [x["idle_frac"] for x in m],
+        "sync_s",
+        [x["sync_s"] for x in m],
+    )
     assert last > first + 0.3 and last > 0.5, rewards
 
 
@@ -379,13 +580,39 @@ def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_
     redis_url, r = rds
     url2 = tp2_server
     served_before = open(SERVER_LOGS[url2]).read().count("POST /generate")
-    actor = start_actor([url, url2], redis_url, "two", tmp_path / "actor.log", "--records-per-version", "16",
-                        "--max-lag", "2", "--concurrency", "4")
+    actor = start_actor(
+        [url, url2],
+        redis_url,
+        "two",
+        tmp_path / "actor.log",
+        "--records-per-version",
+        "16",
+        "--max-lag",
+        "2",
+        "--concurrency",
+        "4",
+    )
     try:
-        _, m = run_learner([url, url2], model, redis_url, "two", tmp_path, "--train-steps", "2", "--batch-size", "16",
-                           "--max-lag", "3", "--verify-sync", "--save-every", "1")
+        _, m = run_learner(
+            [url, url2],
+            model,
+            redis_url,
+            "two",
+            tmp_path,
+            "--train-steps",
+            "2",
+            "--batch-size",
+            "16",
+            "--max-lag",
+            "3",
+            "--verify-sync",
+            "--save-every",
+            "1",
+        )
         print("two servers:", [{k: x[k] for k in ("version", "sync_s", "step_s")} for x in m])
-        assert [requests.get(u + "/runtime_version").json()["version"] for u in (url, url2)] == [int(m[-1]["version"])] * 2
+        assert [requests.get(u + "/runtime_version").json()["version"] for u in (url, url2)] == [
+            int(m[-1]["version"])
+        ] * 2
         assert server_matches(url, tmp_path / "ckpt" / "step_2") and server_matches(url2, tmp_path / "ckpt" / "step_2")
         assert requests.get(url2 + "/runtime_version").json()["communicator"]["ranks"] == [2, 3]
         kill_actor(actor)

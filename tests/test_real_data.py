@@ -19,7 +19,9 @@ if str(ROOT) not in sys.path:
 
 def _need(path: Path):
     if not path.is_file():
-        pytest.skip(f"{path} is absent: the real GSM8K / MATH-500 test sets live in ../shared/data beside the repository")
+        pytest.skip(
+            f"{path} is absent: the real GSM8K / MATH-500 test sets live in ../shared/data beside the repository"
+        )
 
 
 def _as_test_split(path: Path, tmp_path: Path) -> str:
@@ -29,15 +31,22 @@ def _as_test_split(path: Path, tmp_path: Path) -> str:
 
 
 def _rejects(grades, comps, golds):
-    return [(i, comps[i][-80:], golds[i][-80:], tuple(g)) for i, g in enumerate(grades) if not (g.correct and not g.parse_error)]
+    return [
+        (i, comps[i][-80:], golds[i][-80:], tuple(g))
+        for i, g in enumerate(grades)
+        if not (g.correct and not g.parse_error)
+    ]
 
 
 def _gsm8k_forms(number: str) -> dict:
     """The answer after '####' as a model might box it: as GSM8K writes it, with thousands separators, and with
     thousands separators and a unit word."""
     n = int(number.replace(",", ""))  # every GSM8K test answer is an integer (checked below)
-    return {"plain": f"So the answer is $\\boxed{{{number}}}$.", "separators": f"The answer is $\\boxed{{{n:,}}}$.",
-            "separators+unit": f"So the total is $\\boxed{{{n:,} dollars}}$."}
+    return {
+        "plain": f"So the answer is $\\boxed{{{number}}}$.",
+        "separators": f"The answer is $\\boxed{{{n:,}}}$.",
+        "separators+unit": f"So the total is $\\boxed{{{n:,} dollars}}$.",
+    }
 
 
 @pytest.mark.parametrize("module", ["grpo_gsm8k", "pipeline_actor", "eval"])
@@ -70,8 +79,11 @@ def test_math500_every_row_reinforce(tmp_path):
     solutions, answers = [r["solution"] for r in rows], [r["answer"] for r in rows]  # solution: the script's gold
     boxes = [m.last_boxed(g) for g in solutions]
     assert all(boxes)
-    for name, boxed, golds in (("solution's box", boxes, solutions), ("answer field", answers, solutions),
-                               ("solution's box vs bare answer", boxes, answers)):
+    for name, boxed, golds in (
+        ("solution's box", boxes, solutions),
+        ("answer field", answers, solutions),
+        ("solution's box vs bare answer", boxes, answers),
+    ):
         comps = [f"<think>Let me solve it.</think>\nThe answer is $\\boxed{{{a}}}$." for a in boxed]
         grades = m.grade_batch(comps, golds, timeout_s=5.0)  # strict format, the default
         assert _rejects(grades, comps, golds) == [], name
@@ -85,10 +97,14 @@ def test_math500_every_row_eval(tmp_path):
     rows = m.load_split(_as_test_split(MATH500, tmp_path), "test", "math500")
     assert len(rows) == 500
     golds = [r.get("answer") or r["solution"] for r in rows]  # as eval.py's main picks them
-    for name, answers in (("answer field", [m.gold_answer(g, "math500") for g in golds]),
-                          ("solution's box", [m.last_boxed(r["solution"]) for r in rows])):
+    for name, answers in (
+        ("answer field", [m.gold_answer(g, "math500") for g in golds]),
+        ("solution's box", [m.last_boxed(r["solution"]) for r in rows]),
+    ):
         for strict in (False, True):
-            comps = [("<think>Let me solve it.</think>\n" if strict else "") + f"The answer is $\\boxed{{{a}}}$."
-                     for a in answers]
+            comps = [
+                ("<think>Let me solve it.</think>\n" if strict else "") + f"The answer is $\\boxed{{{a}}}$."
+                for a in answers
+            ]
             grades = m.grade_batch(comps, golds, timeout_s=5.0, task="math500", strict_format=strict)
             assert _rejects(grades, comps, golds) == [], (name, strict)

@@ -12,6 +12,7 @@ import time
 import pytest
 import requests
 import torch
+
 from conftest import PY, ROOT, free_port, logprob_gap, sha256, start_server, stop_server
 
 sys.path.insert(0, ROOT)
@@ -67,14 +68,29 @@ def test_rollout_seeds_are_distinct_by_construction():
 
 def test_help_under_torchrun_prints_once_and_fast():
     t0 = time.time()
-    r = subprocess.run([TORCHRUN, "--nproc_per_node=3", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [TORCHRUN, "--nproc_per_node=3", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.count("usage:") == 1 and "--rank0-only-output" in r.stdout
     assert time.time() - t0 < 6  # torchrun itself imports torch (~2 s on this machine); the script does not
-    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"], capture_output=True, text=True)
-    assert not {x.split("|")[-1].strip().split(".")[0] for x in r.stderr.splitlines() if "|" in x} & {"torch", "transformers"}
-    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--no-such-flag"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [PY, "-X", "importtime", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert not {x.split("|")[-1].strip().split(".")[0] for x in r.stderr.splitlines() if "|" in x} & {
+        "torch",
+        "transformers",
+    }
+    r = subprocess.run(
+        [TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and (r.stdout + r.stderr).count("--no-such-flag") >= 1
     assert (r.stdout + r.stderr).count("For full helptext") == 1  # the error is printed once, by rank 0
 
@@ -113,9 +129,12 @@ def _setup_on_rank(rank, port, model_dir, out):
     AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or from_pretrained(*a, **k)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = R.setup_model(model_dir, "float32", True, torch.device("cpu"))
-    got = {"loads": len(loads), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-           "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
-           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    got = {
+        "loads": len(loads),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
     ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
     with torch.no_grad():
         got["logprobs"] = model.token_logprobs(ids, torch.ones_like(ids), torch.arange(10))
@@ -163,21 +182,60 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
     launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
     if nodes > 1:
         rdzv = f"127.0.0.1:{free_port()}"
-        launch = [[TORCHRUN, f"--nnodes={nodes}", f"--node-rank={n}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={rdzv}"] for n in range(nodes)]
+        launch = [
+            [
+                TORCHRUN,
+                f"--nnodes={nodes}",
+                f"--node-rank={n}",
+                f"--nproc-per-node={nproc}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv}",
+            ]
+            for n in range(nodes)
+        ]
     cmd = [
-        os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--model", model, "--dataset", data, "--eval-dataset", data,
-        "--vllm-port", url.rsplit(":", 1)[1], "--max-completion-tokens", "16", "--group-size", "8",
-        "--learning-rate", lr, "--system-prompt", "", "--no-strict-format", "--param-dtype", "float32",
-        "--micro-token-budget", "64", "--eval-every", "0", "--save-every", "1", *extra]
+        os.path.join(ROOT, "reinforce_math_fsdp2.py"),
+        "--model",
+        model,
+        "--dataset",
+        data,
+        "--eval-dataset",
+        data,
+        "--vllm-port",
+        url.rsplit(":", 1)[1],
+        "--max-completion-tokens",
+        "16",
+        "--group-size",
+        "8",
+        "--learning-rate",
+        lr,
+        "--system-prompt",
+        "",
+        "--no-strict-format",
+        "--param-dtype",
+        "float32",
+        "--micro-token-budget",
+        "64",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+        *extra,
+    ]
     os.makedirs(workdir, exist_ok=True)
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in launch]  # no pipe fills up
-    procs = [subprocess.Popen(prefix + cmd, cwd=workdir, stdout=o, stderr=e, text=True) for prefix, (o, e) in zip(launch, files)]
+    procs = [
+        subprocess.Popen(prefix + cmd, cwd=workdir, stdout=o, stderr=e, text=True)
+        for prefix, (o, e) in zip(launch, files)
+    ]
     codes = [p.wait(timeout=900) for p in procs]
     stdout, stderr = ("".join(f.seek(0) or f.read() for f in fs) for fs in zip(*files))
     assert codes == [0] * len(procs), stdout[-3000:] + stderr[-6000:]
-    metrics = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-               for line in stdout.splitlines() if re.match(r"step \d+: ", line)]
+    metrics = [
+        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+        for line in stdout.splitlines()
+        if re.match(r"step \d+: ", line)
+    ]
     return stdout + stderr, metrics
 
 
@@ -195,15 +253,34 @@ def fsdp_run(toy, tmp_path_factory):
     metrics); test_fsdp2_end_to_end resumes it to step 3 (steps 1 and 2 stay)."""
     url, model = toy
     path = tmp_path_factory.mktemp("fsdp")
-    out, m = run(url, model, path, "--train-steps", "2", "--rollouts-per-update", "4", "--verify-sync",
-                 "--eval-every", "2", "--eval-limit", "4", "--rank0-only-output")
+    out, m = run(
+        url,
+        model,
+        path,
+        "--train-steps",
+        "2",
+        "--rollouts-per-update",
+        "4",
+        "--verify-sync",
+        "--eval-every",
+        "2",
+        "--eval-limit",
+        "4",
+        "--rank0-only-output",
+    )
     return path, out, m
 
 
 def step_1(path):
     """Step 1 of the run in `path`: per rank, its rollouts (problem, completion, seed, reward); and the weights."""
-    rows = [[(x["problem"], x["completion"], x["seed"], x["reward"]) for x in map(json.loads, open(
-        path / f"fsdp2_math_rollouts.rank{r}.jsonl")) if x["step"] == 1] for r in (0, 1)]
+    rows = [
+        [
+            (x["problem"], x["completion"], x["seed"], x["reward"])
+            for x in map(json.loads, open(path / f"fsdp2_math_rollouts.rank{r}.jsonl"))
+            if x["step"] == 1
+        ]
+        for r in (0, 1)
+    ]
     return rows, weights(path / "checkpoints_math_fsdp2" / "step_1")
 
 
@@ -218,7 +295,10 @@ def test_fsdp2_end_to_end(toy, fsdp_run, tmp_path):
     ck = path / "checkpoints_math_fsdp2"
     assert sorted(os.listdir(ck)) == ["step_1", "step_2"]
     # rank 0 alone wrote the Hugging Face checkpoint; each rank wrote its shards of the trainer state
-    assert "[rank1] INFO saved" in out and len([x for x in os.listdir(ck / "step_2" / "trainer") if x.endswith(".distcp")]) == 2
+    assert (
+        "[rank1] INFO saved" in out
+        and len([x for x in os.listdir(ck / "step_2" / "trainer") if x.endswith(".distcp")]) == 2
+    )
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(ck / "step_2")
@@ -267,15 +347,27 @@ def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
     fsdp_run (2 processes on one node): the same samples on the same RANK, the same weights; rank 0 alone prints; each
     rank logs under its RANK, and LOCAL_RANK (the device index on GPUs) is 0 on both nodes."""
     url, model = toy
-    out, m = run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--rank0-only-output",
-                 nproc=1, nodes=2)
+    out, m = run(
+        url,
+        model,
+        tmp_path,
+        "--train-steps",
+        "1",
+        "--rollouts-per-update",
+        "4",
+        "--rank0-only-output",
+        nproc=1,
+        nodes=2,
+    )
     (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
     assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert out.count("done: 1 steps") == 1 and len(m) == 1
     assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
     assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run[1]  # the reference: one node, two local ranks
-    assert "[rank1] INFO saved" in out and len(os.listdir(tmp_path / "checkpoints_math_fsdp2" / "step_1" / "trainer")) == 5
+    assert (
+        "[rank1] INFO saved" in out and len(os.listdir(tmp_path / "checkpoints_math_fsdp2" / "step_1" / "trainer")) == 5
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -289,6 +381,7 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
 def test_logprobs_follow_the_train_temperature(toy, tmp_path):
     """The script wires --train-temperature into its logprobs: one step at 0.7 agrees with the sampler."""
     url, model = toy
-    _, m = run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--train-temperature", "0.7",
-               nproc=0)
+    _, m = run(
+        url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--train-temperature", "0.7", nproc=0
+    )
     assert float(m[0]["logprob_mismatch"]) < 1e-4, m

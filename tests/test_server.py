@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import requests
 import torch
+
 from conftest import PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
 
 KEY = "test-key"
@@ -38,7 +39,9 @@ def server(tiny_model, tmp_path_factory, request):
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
-        proc, url = start_server(tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S), "--max-model-len", "4096")
+        proc, url = start_server(
+            tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S), "--max-model-len", "4096"
+        )
     DIRECT[url], PID[url] = request.param == "direct", proc.pid
     yield url
     stop_server(proc)
@@ -112,8 +115,9 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]
     out = generate(server, messages=[msgs], n=4, temperature=1.0, max_tokens=6, seed=0)
-    expected = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     res = out["results"][0]
     assert res["prompt_token_ids"] == expected
     assert len(res["completions"]) == 4
@@ -130,7 +134,9 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     # many concurrent requests are all answered
     threads, results = [], []
     for i in range(8):
-        t = threading.Thread(target=lambda i=i: results.append(generate(server, prompts=[[i + 3, 9]], n=2, max_tokens=5)))
+        t = threading.Thread(
+            target=lambda i=i: results.append(generate(server, prompts=[[i + 3, 9]], n=2, max_tokens=5))
+        )
         t.start()
         threads.append(t)
     for t in threads:
@@ -147,8 +153,11 @@ def push_during_a_long_generation(server, client, params, n: int, max_tokens: in
     """Push `params` while a request for n samples of max_tokens tokens is being generated. Returns the push's
     answer and the long request's completions."""
     inflight = {}
-    t = threading.Thread(target=lambda: inflight.update(generate(server, prompts=[[7, 8, 9]], n=n, max_tokens=max_tokens,
-                                                                 temperature=1.0, ignore_eos=True)))
+    t = threading.Thread(
+        target=lambda: inflight.update(
+            generate(server, prompts=[[7, 8, 9]], n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+        )
+    )
     t.start()
     deadline = time.monotonic() + 120
     while requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()["generating"] == 0:
@@ -204,7 +213,12 @@ def test_full_and_partial_push(server, hf_model):
             p.mul_(-1.5)
             part[layer + name] = p.detach()
     done = client.push(part, version=41)
-    assert done["status"] == "ok" and done["version"] == 41 and done["num_params"] == 3 and done["direct"] == DIRECT[server], done
+    assert (
+        done["status"] == "ok"
+        and done["version"] == 41
+        and done["num_params"] == 3
+        and done["direct"] == DIRECT[server]
+    ), done
     assert_checksums(server, state_dict_with_tied(hf_model))
     assert_logprobs_match(server, hf_model)
     out = generate(server, prompts=[[1, 2]], max_tokens=3)
@@ -228,7 +242,9 @@ def test_a_request_sent_during_a_push_into_an_idle_engine_waits_for_the_new_weig
     out, threads = {}, []
 
     def during():  # the server waits for the broadcasts: send a request, give it time to reach the engine
-        threads.append(threading.Thread(target=lambda: out.update(generate(server, prompts=prompt, max_tokens=6, seed=5))))
+        threads.append(
+            threading.Thread(target=lambda: out.update(generate(server, prompts=prompt, max_tokens=6, seed=5)))
+        )
         threads[0].start()
         time.sleep(1.0)
         out["waiting"] = threads[0].is_alive()
@@ -251,17 +267,23 @@ def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
     cases = {
         "model.layers.0.nonexistent.weight": {"model.layers.0.nonexistent.weight": torch.zeros(4)},
         "model.norm.weight": {"model.norm.weight": torch.zeros(7)},  # wrong shape
-        "model.embed_tokens.weight": {"model.embed_tokens.weight": good["model.embed_tokens.weight"].to(torch.bfloat16)},
+        "model.embed_tokens.weight": {
+            "model.embed_tokens.weight": good["model.embed_tokens.weight"].to(torch.bfloat16)
+        },
         "model.layers.0.self_attn.q_proj.weight": {  # q without its fused k and v
-            "model.layers.0.self_attn.q_proj.weight": good["model.layers.0.self_attn.q_proj.weight"]},
+            "model.layers.0.self_attn.q_proj.weight": good["model.layers.0.self_attn.q_proj.weight"]
+        },
     }
     for name, named in cases.items():
         t0 = time.time()
         r = client.push(named)
         assert r.status_code == 400 and name in r.json()["detail"], (name, r.text)
         assert time.time() - t0 < 5  # refused at once, nothing waits on a collective
-    r = requests.post(server + "/init_communicator", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"host": "127.0.0.1", "port": 1, "world_size": 2, "connections": 0})
+    r = requests.post(
+        server + "/init_communicator",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"host": "127.0.0.1", "port": 1, "world_size": 2, "connections": 0},
+    )
     assert r.status_code == 422 and "connections" in r.text, r.text  # (pydantic's check: 1..64)
     assert requests.get(server + "/health").ok
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["updating"] is False
@@ -287,8 +309,20 @@ import os; os._exit(1)
 
 def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_model):
     t0 = time.time()
-    res = subprocess.run([PY, "-c", KILLED_CLIENT, server, os.path.join(ROOT, "tests"), KEY,
-                          os.path.join(tiny_model, "model.safetensors")], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            PY,
+            "-c",
+            KILLED_CLIENT,
+            server,
+            os.path.join(ROOT, "tests"),
+            KEY,
+            os.path.join(tiny_model, "model.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "pushing" in res.stdout, res.stderr
     # the server generates again within the collective timeout (plus engine slack) ...
     out = generate(server, prompts=[[1, 2, 3]], max_tokens=4)
@@ -307,8 +341,11 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
 
 def engine_cpu_seconds(url):
     """CPU time used so far by the vLLM engine process of the server at `url` (its child titled VLLM::EngineCore)."""
-    kids = [int(c) for t in os.listdir(f"/proc/{PID[url]}/task")
-            for c in open(f"/proc/{PID[url]}/task/{t}/children").read().split()]
+    kids = [
+        int(c)
+        for t in os.listdir(f"/proc/{PID[url]}/task")
+        for c in open(f"/proc/{PID[url]}/task/{t}/children").read().split()
+    ]
     engine = [k for k in kids if open(f"/proc/{k}/comm").read().startswith("VLLM::EngineCor")]
     assert len(engine) == 1, kids
     fields = open(f"/proc/{engine[0]}/stat").read().rsplit(")", 1)[1].split()
@@ -323,14 +360,21 @@ def test_engine_process_sleeps_while_a_worker_runs_a_sync_rpc(server):
     import datetime
 
     import torch.distributed as dist
+
     from conftest import free_port, read_lines
 
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     generate(server, prompts=[[1, 2, 3]], max_tokens=2)  # the engine just read a worker's reply
-    r = requests.post(server + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size": 2},
-                      headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=60)
+    r = requests.post(
+        server + "/init_communicator",
+        json={"host": "127.0.0.1", "port": port, "world_size": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+        stream=True,
+        timeout=60,
+    )
     lines = read_lines(r)
     assert next(lines)["status"] == "joining"
     before = engine_cpu_seconds(server)
@@ -343,8 +387,16 @@ def test_engine_process_sleeps_while_a_worker_runs_a_sync_rpc(server):
 
 
 def test_api_key_guards_every_route_but_health(server):
-    routes = [("POST", r) for r in ("/init_communicator", "/update_param_batch", "/reset_prefix_cache",
-                                    "/close_communicator", "/generate")]
+    routes = [
+        ("POST", r)
+        for r in (
+            "/init_communicator",
+            "/update_param_batch",
+            "/reset_prefix_cache",
+            "/close_communicator",
+            "/generate",
+        )
+    ]
     routes += [("GET", r) for r in ("/runtime_version", "/get_num_background_tasks", "/weights_checksum")]
     for method, route in routes:
         r = requests.request(method, server + route, json={"prompts": [[1, 2]], "max_tokens": 1})
@@ -392,14 +444,19 @@ def test_generate_limits_follow_the_engine(server):
 
 def test_help_is_fast_and_non_loopback_warns(tiny_model):
     t0 = time.time()
-    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--help"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--help"], capture_output=True, text=True
+    )
     assert r.returncode == 0 and "--sync-timeout-s" in r.stdout and time.time() - t0 < 3
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
     # binding a non-loopback address without a key warns before anything else happens
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model, "--host",
-                             "0.0.0.0", "--port", "0"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model, "--host", "0.0.0.0", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert "WARNING: binding 0.0.0.0 without --api-key" in proc.stderr.readline()
     finally:
@@ -412,8 +469,21 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model,
-                            "--port", str(busy.getsockname()[1])], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                PY,
+                "-X",
+                "importtime",
+                os.path.join(ROOT, "vllm_sync_server.py"),
+                "--model",
+                tiny_model,
+                "--port",
+                str(busy.getsockname()[1]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert r.returncode != 0 and "OSError: [Errno 98] Address already in use" in r.stderr, r.stderr[-2000:]
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
@@ -425,12 +495,36 @@ def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
     this module: it changes the server's weights. Once is enough (the direct server)."""
     if not DIRECT[server]:
         pytest.skip("one run is enough")
-    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", tiny_model, "--vllm-port", server.rsplit(":", 1)[1],
-           "--dataset", os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy"), "--train-steps", "1", "--verify-sync",
-           "--max-completion-tokens", "8", "--rollouts-per-update", "2", "--group-size", "2", "--system-prompt", "",
-           "--eval-every", "0", "--save-every", "100", "--checkpoint-dir", "ckpt"]
-    r = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "VLLM_API_KEY": KEY}, capture_output=True, text=True,
-                       timeout=300)
+    cmd = [
+        PY,
+        os.path.join(ROOT, "grpo_gsm8k.py"),
+        "--model",
+        tiny_model,
+        "--vllm-port",
+        server.rsplit(":", 1)[1],
+        "--dataset",
+        os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy"),
+        "--train-steps",
+        "1",
+        "--verify-sync",
+        "--max-completion-tokens",
+        "8",
+        "--rollouts-per-update",
+        "2",
+        "--group-size",
+        "2",
+        "--system-prompt",
+        "",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "100",
+        "--checkpoint-dir",
+        "ckpt",
+    ]
+    r = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, "VLLM_API_KEY": KEY}, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "step 1: " in r.stdout and " version=1 " in r.stdout, r.stdout[-3000:]
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == 1
@@ -447,8 +541,13 @@ def test_a_store_the_workers_cannot_reach_fails_in_time_and_names_it(server):
     assert info["workers"] == 1 and info["device"] == "cpu"  # what a trainer sizes and checks its group with
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
-    r = requests.post(server + "/init_communicator", json={"host": "127.0.0.1", "port": port, "world_size": 2},
-                      headers=AUTH, stream=True, timeout=120)
+    r = requests.post(
+        server + "/init_communicator",
+        json={"host": "127.0.0.1", "port": port, "world_size": 2},
+        headers=AUTH,
+        stream=True,
+        timeout=120,
+    )
     answer = list(read_lines(r))
     assert answer[0]["status"] == "joining" and answer[1]["status"] == "error", answer
     assert f"127.0.0.1:{port}" in answer[1]["error"] and "--sync-host" in answer[1]["error"], answer
@@ -468,9 +567,11 @@ def test_a_trainer_on_another_backend_is_refused_before_joining(server):
 
     before = requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY}):
-        for join in (lambda: grpo_gsm8k.init_weight_sync(server, torch.device("cuda")),
-                     lambda: reinforce_math_fsdp2.init_weight_sync(server, torch.device("cuda")),
-                     lambda: pipeline_learner.init_weight_sync([server], torch.device("cuda"))):
+        for join in (
+            lambda: grpo_gsm8k.init_weight_sync(server, torch.device("cuda")),
+            lambda: reinforce_math_fsdp2.init_weight_sync(server, torch.device("cuda")),
+            lambda: pipeline_learner.init_weight_sync([server], torch.device("cuda")),
+        ):
             with pytest.raises(RuntimeError, match=f"{server} runs on cpu and this (trainer|learner) on cuda"):
                 join()
     assert requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json() == before
@@ -517,6 +618,7 @@ def test_wait_or_abort_raises_on_late_work_and_aborts_the_group():
 
 def test_health_reports_a_dead_engine(server):
     """vLLM's engine process killed: /health answers 503 "dead", never "ok" (the last test of each server)."""
+
     def parent(pid: str) -> str:
         try:
             with open(f"/proc/{pid}/stat") as f:

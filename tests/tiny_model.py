@@ -53,9 +53,7 @@ def build_tokenizer(path: str, vocab_size: int, byte_alphabet: bool = True):
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     hf.add_tokens(BOXED_TOKENS)  # ordinary (non-special) tokens: decoding gives the literal text
     hf.chat_template = CHAT_TEMPLATE
     assert len(hf) <= vocab_size, (len(hf), vocab_size)
