@@ -12,7 +12,12 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
     (`--tis-cap`), and is always logged (`logprob_mismatch`).
 
-  python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server  # vLLM on GPU 0 (started for you), training on GPU 1
+What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
+(reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), LoRA and a
+packed-sequence attention kernel. The whole algorithm is the ALGO LOGIC section and the loop at the bottom.
+
+  # vLLM on GPU 0 (started for you), training on GPU 1
+  python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
   # or against a server you started yourself
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
@@ -26,6 +31,7 @@ import multiprocessing as mp
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +49,7 @@ import requests
 
 @dataclass
 class Args:
+    # Experiment
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face model id or local directory (also a checkpoint written by this script)"""
     seed: int = 1
@@ -53,33 +60,14 @@ class Args:
     """use only the first `limit` training problems"""
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every training and evaluation conversation ("" for none)"""
-    vllm_host: str = "127.0.0.1"
-    """host of vllm_sync_server.py"""
-    vllm_port: int = 8000
-    """port of vllm_sync_server.py"""
-    sync_host: Optional[str] = None
-    """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
-    its connection to the server)"""
-    start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
-    vllm_gpu: int = 0
-    """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
-    server_args: str = "--dtype bfloat16"
-    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
+
+    # Algorithm specific arguments
     train_steps: int = 100
     """number of policy updates"""
     rollouts_per_update: int = 8
     """prompts per step (each gets --group-size completions)"""
     group_size: int = 8
     """completions per prompt (G); advantages are relative to the group"""
-    concurrency: int = 32
-    """generation requests in flight"""
-    train_temperature: float = 1.0
-    """sampling temperature of the rollouts"""
-    max_completion_tokens: int = 512
-    """maximum new tokens per completion"""
-    max_seq_len: int = 1024
-    """prompt + completion tokens kept for training (longer ones are truncated)"""
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
@@ -100,10 +88,45 @@ class Args:
     """optimizer passes over each batch (mu in the GRPO paper)"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+
+    # Generation
+    train_temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    concurrency: int = 32
+    """generation requests in flight"""
+
+    # The server and the weight sync
+    vllm_host: str = "127.0.0.1"
+    """host of vllm_sync_server.py"""
+    vllm_port: int = 8000
+    """port of vllm_sync_server.py"""
+    sync_host: Optional[str] = None
+    """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
+    its connection to the server)"""
+    start_server: bool = False
+    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
+    vllm_gpu: int = 0
+    """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
+    server_args: str = "--dtype bfloat16"
+    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
+
+    # Grading
+    grade_timeout_s: float = 5.0
+    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
+    verdict); past them the completion scores 0 with parse_error"""
+    grade_backstop_s: float = 60.0
+    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
+    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+
+    # Evaluation, logging and checkpoints
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
     eval_before_start: bool = False
@@ -122,12 +145,6 @@ class Args:
     """save a checkpoint every this many steps (and at the end)"""
     resume: bool = False
     """continue from the newest checkpoint in --checkpoint-dir"""
-    grade_timeout_s: float = 5.0
-    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
-    verdict); past them the completion scores 0 with parse_error"""
-    grade_backstop_s: float = 60.0
-    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
-    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
 
 
 # Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
@@ -300,7 +317,10 @@ def grade_batch(
     return results
 
 
-# ALGO LOGIC: advantages and the loss
+# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
+# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
+# V vocabulary, H hidden size.
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
     group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
@@ -367,14 +387,15 @@ def policy_loss(
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
-    softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed logprobs):
-    at any other temperature the ratio, the TIS weight and the gradient would belong to another policy. No [B, T, V] fp32
-    log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
+    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
+    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
+    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
+    [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
 
@@ -382,36 +403,49 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
-    return torch.cat(
-        [
-            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-            for i in range(0, h.shape[0], chunk)
-        ]
-    )  # [N]
+    blocks = [
+        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(blocks)  # [N]
+
+
+def as_rows(flat, mask):
+    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
+    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
+    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
+    import torch
+
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
     length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
-    batches, cur = [], []
+    batches = []
+    current = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            batches, cur = batches + [cur], []
-        cur.append(i)
-    return batches + [cur] if cur else batches
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
-    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
-    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
+    row."""
     import torch
 
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
-    Tc = max(1, max(n_comp))
+    T = max(1, max(n_comp))
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
     at = torch.tensor(
         [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
         dtype=torch.long,
@@ -420,11 +454,29 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
     return ids, attn, mask, at
 
 
+class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
+    row: dict  # the data set's row (question, gold answer)
+    prompt_ids: list[int]
+    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
+    seed: int  # the random stream vLLM sampled it with
+
+
+def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
+    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
+    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    T = mask.shape[1]
+    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
 # TRY NOT TO MODIFY: the client side of vllm_sync_server.py
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
-    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
@@ -438,7 +490,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             return r
         except requests.ConnectionError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
@@ -489,7 +541,8 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
         )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
-        port = s.bind(("", 0)) or s.getsockname()[1]
+        s.bind(("", 0))
+        port = s.getsockname()[1]
     host = sync_host or local_address(url)  # where the server's workers connect to our store
     timeout = datetime.timedelta(seconds=300)
     world_size = 1 + info["workers"]  # this trainer (rank 0) and every worker of the server (its tensor parallel size)
@@ -515,7 +568,8 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             f"the workers of {url} did not join this trainer's group at {host}:{port}: "
             f"{next(answer, {}).get('error', e)}"
         ) from e
-    if (done := next(answer))["status"] != "ok":
+    done = next(answer)
+    if done["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
@@ -532,8 +586,10 @@ def push_weights(sync: dict, model, version: int) -> dict:
     body = {"params": params, "version": version}
     answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
     next(answer)  # "receiving": the server checked the metadata and waits for the broadcasts
-    opts, inflight, ahead = torch.distributed.BroadcastOptions(), [], 0
+    opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
+    inflight = []  # (bytes, work) of the broadcasts not known to be done
+    ahead = 0  # their bytes
     for _, p in named:
         buf = p.to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)  # bytes, as the server receives them
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
@@ -550,7 +606,8 @@ def push_weights(sync: dict, model, version: int) -> dict:
         )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
-    if (done := next(answer))["status"] != "ok":
+    done = next(answer)
+    if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
@@ -565,10 +622,9 @@ def verify_weights(sync: dict, model) -> int:
         for n, p in model.state_dict().items()
     }  # state_dict: a tied lm_head.weight too, as the server reports it
     theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
-    if ours != theirs:
-        raise RuntimeError(
-            f"weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}"
-        )
+    differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+    if differ:
+        raise RuntimeError(f"weights differ after the push: {differ[:5]}")
     return len(theirs)
 
 
@@ -632,8 +688,14 @@ def start_vllm_server(args: Args, log_path: str):
         str(args.vllm_port),
         *shlex.split(args.server_args),
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
+    with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop_server() -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its process group: the engine and its workers too
+
+    atexit.register(stop_server)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     for _ in range(1200):
         if proc.poll() is not None:
@@ -658,7 +720,7 @@ def load_split(dataset: str, split: str) -> list[dict]:
 if __name__ == "__main__":
     import tyro
 
-    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     import random
@@ -668,7 +730,9 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # TRY NOT TO MODIFY: seeding, devices, server, logging
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
     if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
         raise SystemExit(
@@ -697,23 +761,25 @@ if __name__ == "__main__":
         import wandb
 
         wandb.init(config=asdict(args), resume="allow")
-    if "rich" in loggers:
-        from rich.console import Console
-        from rich.table import Table
 
-    def log(metrics: dict, step: int) -> None:
+    def log_metrics(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
             print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "rich" in loggers:
+            from rich.console import Console
+            from rich.table import Table
+
             table = Table("metric", "value", title=f"step {step}")
-            [table.add_row(k, v) for k, v in text.items()]
+            for k, v in text.items():
+                table.add_row(k, v)
             Console().print(table)
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
     # data: GSM8K problems as chat prompts (token ids), gold = the raw answer field
-    train, test = load_split(args.dataset, "train")[: args.limit], load_split(args.dataset, "test")[: args.eval_limit]
+    train = load_split(args.dataset, "train")[: args.limit]
+    test = load_split(args.dataset, "test")[: args.eval_limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     def prompt_ids(question: str) -> list[int]:
@@ -724,7 +790,10 @@ if __name__ == "__main__":
         return tokenizer.encode(text, add_special_tokens=False)
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
-    step, version, skipped, data_pos = 0, 0, 0, 0
+    step = 0  # optimizer steps taken
+    version = 0  # the policy version the server holds (one per push)
+    skipped = 0  # steps skipped for a non-finite loss or gradient
+    data_pos = 0  # training prompts drawn so far (the data order and the sampling seeds follow it)
     ckpts = (
         sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
         if os.path.isdir(args.checkpoint_dir)
@@ -733,24 +802,23 @@ if __name__ == "__main__":
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
-    ref_model = (
-        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.beta else None
-    )
+    ref_model = None
+    if args.beta:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
-        state = torch.load(
-            os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=False
-        )  # any device layout
+        state_path = os.path.join(load_from, "trainer_state.pt")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)  # saved from any device
         optimizer.load_state_dict(state["optimizer"])
-        step, version, skipped, data_pos, order = (
-            state[k] for k in ("step", "version", "skipped", "data_pos", "order")
-        )
-        (
-            torch.set_rng_state(state["torch_rng"]),
-            random.setstate(state["python_rng"]),
-            np.random.set_state(state["numpy_rng"]),
-        )
+        step = state["step"]
+        version = state["version"]
+        skipped = state["skipped"]
+        data_pos = state["data_pos"]
+        order = state["order"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     sync = init_weight_sync(url, device, args.sync_host)
@@ -779,8 +847,9 @@ if __name__ == "__main__":
         }
 
     if args.eval_before_start and step == 0:
-        log(evaluate(), step)
-    rollout_log, total_tokens, start_time = open(args.rollout_log, "a", buffering=1), 0, time.time()  # line-buffered
+        log_metrics(evaluate(), step)
+    total_tokens = 0
+    start_time = time.time()
     progress = None
     if sys.stderr.isatty():  # a live bar for a person at a terminal (as tqdm does), the metric lines printed above it
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -811,12 +880,15 @@ if __name__ == "__main__":
             args.concurrency,
             seeds,
         )
-        comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
-        sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
+        samples = [
+            Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+            for row, res, seed in zip(rows, results, seeds, strict=True)
+            for j, completion in enumerate(res["completions"])
+        ]
         # 2) grade; 3) advantages, relative to each prompt's group
         grades = grade_batch(
-            [c["text"] for _, _, c in comps],
-            [row["answer"] for row, _, _ in comps],
+            [sample.completion["text"] for sample in samples],
+            [sample.row["answer"] for sample in samples],
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
         )
@@ -824,35 +896,27 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
         # 4) loss and update: num_iterations optimizer steps, each over all micro-batches of the batch
-        seqs, n_prompt = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps], [len(p) for _, p, _ in comps]
-        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
+        seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
+        n_prompt = [len(sample.prompt_ids) for sample in samples]
+        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
-        B, T_all, old_lp, stats, bad = len(seqs), max(1, sum(n_comp)), {}, {"mismatch_sum": 0.0, "loss": 0.0}, False
+        B = len(seqs)
+        T_all = max(1, sum(n_comp))  # completion tokens of the whole batch
+        old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
+        stats = {"mismatch_sum": 0.0, "loss": 0.0}
+        bad = False  # a non-finite loss or gradient: the step is skipped
         for it in range(args.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             for m, idx in enumerate(micro):
                 ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
                 with autocast:
                     flat = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], the sampler's policy
-                    logprobs = torch.zeros(mask.shape, device=device).masked_scatter(
-                        mask.bool(), flat.float()
-                    )  # [b, Tc]
-                    with torch.no_grad():  # the reference at the same temperature: KL between the sampling policies
-                        ref_lp = (
-                            None
-                            if ref_model is None
-                            else torch.zeros(mask.shape, device=device).masked_scatter(
-                                mask.bool(), token_logprobs(ref_model, ids, attn, at, args.train_temperature).float()
-                            )
-                        )
-                vllm_lp = torch.tensor(
-                    [
-                        c[2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i])
-                        for i in idx
-                        for c in [comps[i]]
-                    ],
-                    device=device,
-                )
+                    logprobs = as_rows(flat, mask)  # [b, T]
+                    ref_lp = None
+                    if ref_model is not None:
+                        with torch.no_grad():  # the reference at the same temperature: KL between sampling policies
+                            ref_lp = as_rows(token_logprobs(ref_model, ids, attn, at, args.train_temperature), mask)
+                vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
                 if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
                     stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
@@ -873,14 +937,18 @@ if __name__ == "__main__":
                 )
                 # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
                 # the whole batch, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
-                loss = loss * (sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B)
-                if bad := not torch.isfinite(loss).item():
+                weight = sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B
+                loss = loss * weight
+                if not torch.isfinite(loss).item():
+                    bad = True
                     break
                 loss.backward()
-                stats["loss"] += loss.item() if it == 0 else 0.0
+                if it == 0:
+                    stats["loss"] += loss.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
-            if bad := bad or not torch.isfinite(grad_norm).item():
+            if bad or not torch.isfinite(grad_norm).item():
+                bad = True
                 break
             optimizer.step()
         if bad:  # skip the step: no update, nothing pushed
@@ -896,7 +964,7 @@ if __name__ == "__main__":
             if args.verify_sync:
                 verify_weights(sync, model)
         # 6) log, evaluate, checkpoint
-        new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
+        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens
         metrics = {
             "loss": stats["loss"],
@@ -917,25 +985,22 @@ if __name__ == "__main__":
             "step_s": time.time() - t0,
             "tokens_per_s": new_tokens / (time.time() - t0),
         }
-        for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
-            rollout_log.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "question": row["question"],
-                        "gold": row["answer"],
-                        "completion": c["text"],
-                        **g._asdict(),
-                        "advantage": a,
-                        "versions": c["versions"],
-                        "seed": seed,
-                    }
-                )
-                + "\n"
-            )
+        with open(args.rollout_log, "a") as rollout_log:  # every training rollout, one JSON line each
+            for sample, grade_, advantage in zip(samples, grades, advantages.tolist(), strict=True):
+                record = {
+                    "step": step,
+                    "question": sample.row["question"],
+                    "gold": sample.row["answer"],
+                    "completion": sample.completion["text"],
+                    **grade_._asdict(),
+                    "advantage": advantage,
+                    "versions": sample.completion["versions"],
+                    "seed": sample.seed,
+                }
+                rollout_log.write(json.dumps(record) + "\n")
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
-        log(metrics, step)
+        log_metrics(metrics, step)
         if progress is not None:
             progress.update(
                 progress_task,
@@ -944,10 +1009,8 @@ if __name__ == "__main__":
             )
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            (
-                model.save_pretrained(path),
-                tokenizer.save_pretrained(path),
-            )  # Hugging Face format: vLLM and transformers load it
+            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
+            tokenizer.save_pretrained(path)
             torch.save(
                 {
                     "optimizer": optimizer.state_dict(),

@@ -9,12 +9,18 @@ Based on grpo_gsm8k.py; what changes and why:
     loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
   - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
   - publishing weights: all ranks gather each full parameter (FSDP's all-gather on the torchrun group); rank 0 alone
-    owns the communicator to vllm_sync_server.py and streams them one by one: it never holds a second full copy of the model.
+    owns the communicator to vllm_sync_server.py and streams them one by one: it never holds a second full copy of
+    the model.
+
+What it leaves out, on purpose: PPO's ratio, clip and KL (grpo_gsm8k.py has them), tensor or pipeline parallelism of
+the trainer, generating while training (pipeline_actor.py + pipeline_learner.py) and LoRA. The algorithm is the ALGO
+LOGIC section and the loop at the bottom; FSDP2 is one function, setup_model.
 
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
       --gpu-memory-utilization 0.8 --max-num-seqs 32
+  # GPU 0 serves, GPUs 1-3 train; the other flags of docs/reinforce_math_fsdp2.md are the defaults
   CUDA_VISIBLE_DEVICES=1,2,3 torchrun --nproc_per_node=3 reinforce_math_fsdp2.py --model Qwen/Qwen2.5-7B-Instruct \\
-      --limit 2048 --eval-before-start --rank0-only-output  # GPU 0 serves, GPUs 1-3 train; docs/reinforce_math_fsdp2.md's other flags are defaults
+      --limit 2048 --eval-before-start --rank0-only-output
 """
 
 import datetime
@@ -40,6 +46,7 @@ import requests
 
 @dataclass
 class Args:
+    # Experiment
     model: str = "Qwen/Qwen2.5-7B-Instruct"
     """Hugging Face model id or local directory"""
     seed: int = 1
@@ -54,27 +61,14 @@ class Args:
         "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
     )
     """system prompt of every conversation ("" for none)"""
-    vllm_host: str = "127.0.0.1"
-    """host of vllm_sync_server.py"""
-    vllm_port: int = 8000
-    """port of vllm_sync_server.py"""
-    sync_host: Optional[str] = None
-    """address the server's workers reach rank 0 at, for the weight-sync group (default: rank 0's end of its
-    connection to the server)"""
+
+    # Algorithm specific arguments
     train_steps: int = 50
     """number of policy updates"""
     rollouts_per_update: int = 8
     """prompts per step on each rank (each gets --group-size completions)"""
     group_size: int = 8
     """completions per prompt; advantages are relative to the group"""
-    concurrency: int = 11
-    """generation requests in flight per rank"""
-    train_temperature: float = 1.0
-    """sampling temperature of the rollouts"""
-    max_completion_tokens: int = 512
-    """maximum new tokens per completion"""
-    max_seq_len: int = 1024
-    """prompt + completion tokens kept for training (longer ones are truncated)"""
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
@@ -85,6 +79,10 @@ class Args:
     """reward only `<think>...</think>` followed by the final \\boxed{} (off: the last box anywhere counts)"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+
+    # FSDP2
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """FSDP2 compute dtype of the parameters (gradients are reduced in fp32 either way)"""
     activation_checkpointing: bool = True
@@ -93,12 +91,39 @@ class Args:
     """reduce-scatter gradients after every micro-batch: a reduce-scatter of all gradients per micro-batch instead of
     one per step, but no unsharded fp32 gradient of the whole model held on every rank between micro-batches
     (4 bytes per parameter whatever the number of ranks: README.md's memory table)"""
+
+    # Generation
+    train_temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    concurrency: int = 11
+    """generation requests in flight per rank"""
+
+    # The server and the weight sync
+    vllm_host: str = "127.0.0.1"
+    """host of vllm_sync_server.py"""
+    vllm_port: int = 8000
+    """port of vllm_sync_server.py"""
+    sync_host: Optional[str] = None
+    """address the server's workers reach rank 0 at, for the weight-sync group (default: rank 0's end of its
+    connection to the server)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the gathered weights"""
-    eval_before_start: bool = False
-    """evaluate before the first step"""
+
+    # Grading
+    grade_timeout_s: float = 5.0
+    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
+    verdict); past them the completion scores 0 with parse_error"""
+    grade_backstop_s: float = 60.0
+    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
+    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+
+    # Evaluation, logging and checkpoints
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
+    eval_before_start: bool = False
+    """evaluate before the first step"""
     eval_limit: int = 100
     """number of evaluation problems (split over the ranks)"""
     eval_concurrency: int = 32
@@ -119,12 +144,6 @@ class Args:
     """save a checkpoint every this many steps (and at the end)"""
     resume: bool = False
     """continue from the newest checkpoint in --checkpoint-dir"""
-    grade_timeout_s: float = 5.0
-    """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
-    verdict); past them the completion scores 0 with parse_error"""
-    grade_backstop_s: float = 60.0
-    """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
-    stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
 
 
 # Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
@@ -310,7 +329,10 @@ def grade_batch(
     return results
 
 
-# ALGO LOGIC: advantages and the loss
+# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
+# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
+# V vocabulary, H hidden size.
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
     group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
@@ -333,14 +355,15 @@ def reinforce_loss(logprobs, advantages, mask):
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [B, T-1]) under the sampling policy
-    softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed logprobs):
-    at any other temperature the ratio, the TIS weight and the gradient would belong to another policy. No [B, T, V] fp32
-    log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one [chunk, V] block alive)."""
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
+    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
+    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
+    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
+    [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
 
@@ -348,42 +371,72 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
-    return torch.cat(
-        [
-            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-            for i in range(0, h.shape[0], chunk)
-        ]
-    )  # [N]
+    blocks = [
+        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(blocks)  # [N]
+
+
+def as_rows(flat, mask):
+    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
+    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
+    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
+    import torch
+
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
     length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
-    batches, cur = [], []
+    batches = []
+    current = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            batches, cur = batches + [cur], []
-        cur.append(i)
-    return batches + [cur] if cur else batches
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
-    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
-    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
+    row."""
     import torch
 
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
-    Tc = max(1, max(n_comp))
+    T = max(1, max(n_comp))
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
     at = torch.tensor(
         [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
         dtype=torch.long,
         device=device,
     )  # [N]
     return ids, attn, mask, at
+
+
+class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
+    row: dict  # the data set's row (problem, solution)
+    prompt_ids: list[int]
+    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
+    seed: int  # the random stream vLLM sampled it with
+
+
+def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
+    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
+    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    T = mask.shape[1]
+    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
 
 
 # TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
@@ -430,7 +483,8 @@ def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, dev
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
-    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
@@ -444,7 +498,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             return r
         except requests.ConnectionError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
@@ -495,7 +549,8 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             "sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
         )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
-        port = s.bind(("", 0)) or s.getsockname()[1]
+        s.bind(("", 0))
+        port = s.getsockname()[1]
     host = sync_host or local_address(url)  # where the server's workers connect to our store
     timeout = datetime.timedelta(seconds=300)
     world_size = 1 + info["workers"]  # this trainer (rank 0) and every worker of the server (its tensor parallel size)
@@ -521,7 +576,8 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             f"the workers of {url} did not join this trainer's group at {host}:{port}: "
             f"{next(answer, {}).get('error', e)}"
         ) from e
-    if (done := next(answer))["status"] != "ok":
+    done = next(answer)
+    if done["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
 
@@ -543,8 +599,10 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
     body = {"params": params, "version": version}
     answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
     next(answer)  # "receiving": the server checked the metadata and waits for the broadcasts
-    opts, inflight, ahead = torch.distributed.BroadcastOptions(), [], 0
+    opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
+    inflight = []  # (bytes, work) of the broadcasts not known to be done
+    ahead = 0  # their bytes
     for _, p in named:
         buf = full(p.detach()).to(dtype).contiguous().view(-1).view(torch.uint8)  # bytes, as the server receives them
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
@@ -561,7 +619,8 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
         )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
-    if (done := next(answer))["status"] != "ok":
+    done = next(answer)
+    if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
 
@@ -608,7 +667,7 @@ def generate(
         return list(pool.map(one, range(len(prompts))))
 
 
-def load_rows(dataset: str, split: str) -> list[dict]:
+def load_split(dataset: str, split: str) -> list[dict]:
     """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
 
@@ -624,17 +683,17 @@ if __name__ == "__main__":
 
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
-        args = tyro.cli(Args)  # before importing torch: --help is instant
+        args = tyro.cli(Args, description=__doc__)  # before importing torch: --help is instant
     else:  # under torchrun only rank 0 prints --help or a flag error; the others exit quietly, and on an
         # error a moment later, so that torchrun does not kill rank 0 before it has printed
         with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
             try:
-                args = tyro.cli(Args)
+                args = tyro.cli(Args, description=__doc__)
             except SystemExit as e:
                 time.sleep(5 if e.code else 0)
                 raise
         if args.rank0_only_output:
-            sys.stdout = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
@@ -650,23 +709,34 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
-    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this rank's place on its node: its GPU
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    one = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}  # plain python
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30), **one)
+    # torchrun sets MASTER_ADDR; plain `python` gets a group of one (FSDP2 wants a group even then)
+    alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **alone)
     logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
     log = logging.getLogger("reinforce_math_fsdp2")
     log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
 
-    def all_sum(*xs: float, op=None) -> list[float]:
+    def all_sum(*xs: float) -> list[float]:  # sums over the ranks of a few metrics
         t = torch.tensor(xs, dtype=torch.float64, device=device)
         if world_size > 1:
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
-    random.seed(args.seed + rank), np.random.seed(args.seed + rank), torch.manual_seed(args.seed)
+    def all_max(x: float) -> float:  # the largest value over the ranks
+        t = torch.tensor([x], dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # the same on every rank
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     loggers = set(args.logger.split(",")) if rank == 0 else set()
     if "wandb" in loggers:
@@ -674,24 +744,25 @@ if __name__ == "__main__":
 
         wandb.init(config=asdict(args), resume="allow")
 
-    def report(metrics: dict, step: int) -> None:
+    def log_metrics(metrics: dict, step: int) -> None:
         text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
             print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "rich" in loggers:
-            from rich import console, table
+            from rich.console import Console
+            from rich.table import Table
 
-            t = table.Table("metric", "value", title=f"step {step}")
-            [t.add_row(k, v) for k, v in text.items()]
-            console.Console().print(t)
+            table = Table("metric", "value", title=f"step {step}")
+            for k, v in text.items():
+                table.add_row(k, v)
+            Console().print(table)
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
-    # data: one permutation on all ranks; per step, rank r keeps every world_size-th of the next rollouts_per_update x world_size
-    train, test = (
-        load_rows(args.dataset, "train")[: args.limit],
-        load_rows(args.eval_dataset, "test")[: args.eval_limit],
-    )
+    # data: one permutation on all ranks; per step, rank r keeps every world_size-th of the next
+    # rollouts_per_update x world_size prompts
+    train = load_split(args.dataset, "train")[: args.limit]
+    test = load_split(args.eval_dataset, "test")[: args.eval_limit]
     order = np.random.default_rng(args.seed).permutation(len(train))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
@@ -705,7 +776,9 @@ if __name__ == "__main__":
     # model: fp32 master weights, sharded; AdamW on the shards
     model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    step, version, data_pos = 0, 0, 0
+    step = 0  # optimizer steps taken
+    version = 0  # the policy version the server holds (one per push)
+    data_pos = 0  # training prompts drawn so far, all ranks together (the data order and the seeds follow it)
     ckpts = (
         sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
         if os.path.isdir(args.checkpoint_dir)
@@ -717,16 +790,16 @@ if __name__ == "__main__":
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), map_location="cpu", weights_only=False)
-        step, version, data_pos = state["step"], state["version"], state["data_pos"]
-        (
-            torch.set_rng_state(state["torch_rng"]),
-            random.setstate(state["python_rng"]),
-            np.random.set_state(state["numpy_rng"]),
-        )
+        step = state["step"]
+        version = state["version"]
+        data_pos = state["data_pos"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
         log.info("resumed from %s at step %d", path, step)
-    sync = (
-        init_weight_sync(url, device, args.sync_host) if rank == 0 else None
-    )  # rank 0 alone talks to the server, outside the torchrun group
+    sync = None  # rank 0 alone talks to the server, in a group of its own outside the torchrun group
+    if rank == 0:
+        sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
 
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
@@ -760,12 +833,9 @@ if __name__ == "__main__":
         }
 
     if args.eval_before_start and step == 0:
-        report(evaluate(), step)
-    rollout_log, total_tokens, start_time = (
-        open(args.rollout_log.replace("{RANK}", str(rank)), "a", buffering=1),
-        0,
-        time.time(),
-    )
+        log_metrics(evaluate(), step)
+    total_tokens = 0
+    start_time = time.time()
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate this rank's share of the step's prompts, group_size completions each
@@ -782,12 +852,15 @@ if __name__ == "__main__":
             args.concurrency,
             seeds,
         )
-        comps = [(row, res["prompt_token_ids"], c) for row, res in zip(rows, results) for c in res["completions"]]
-        sample_seeds = [seed + j for seed, res in zip(seeds, results) for j in range(len(res["completions"]))]
+        samples = [
+            Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+            for row, res, seed in zip(rows, results, seeds, strict=True)
+            for j, completion in enumerate(res["completions"])
+        ]
         # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
         grades = grade_batch(
-            [c["text"] for _, _, c in comps],
-            [row["solution"] for row, _, _ in comps],
+            [sample.completion["text"] for sample in samples],
+            [sample.row["solution"] for sample in samples],
             args.grade_timeout_s,
             strict_format=args.strict_format,
             backstop_s=args.grade_backstop_s,
@@ -797,22 +870,22 @@ if __name__ == "__main__":
 
         # 4) loss and update. Every rank must run the same number of forward/backward passes (each one
         # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
-        seqs, n_prompt = [(p + c["token_ids"])[: args.max_seq_len] for _, p, c in comps], [len(p) for _, p, _ in comps]
-        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
+        seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
+        n_prompt = [len(sample.prompt_ids) for sample in samples]
+        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
         micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
-        n_micro, T_global = (
-            all_sum(len(micro), op=dist.ReduceOp.MAX if world_size > 1 else None)[0],
-            all_sum(sum(n_comp))[0],
-        )
-        loss_sum, mismatch_sum = 0.0, 0.0
+        n_micro = int(all_max(len(micro)))  # micro-batches every rank runs
+        T_global = all_sum(sum(n_comp))[0]  # completion tokens of the step, all ranks together
+        loss_sum = 0.0
+        mismatch_sum = 0.0
         optimizer.zero_grad(set_to_none=True)
-        for m in range(int(n_micro)):
+        for m in range(n_micro):
             idx = micro[m] if m < len(micro) else micro[0]  # an empty turn reuses a micro-batch with weight 0
             # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
             model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
             flat = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], the sampler's policy
-            logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
+            logprobs = as_rows(flat, mask)  # [b, T]
             # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens
             # on all ranks, and times world_size because FSDP averages gradients over ranks, the sum over
             # micro-batches and ranks is the token mean of the whole step: the single-process update.
@@ -821,10 +894,7 @@ if __name__ == "__main__":
             loss.backward()
             if m < len(micro):
                 loss_sum += loss.item() / world_size
-                vllm_lp = torch.tensor(
-                    [comps[i][2]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
-                    device=device,
-                )
+                vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
                 mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
@@ -834,25 +904,27 @@ if __name__ == "__main__":
             log.warning("non-finite gradient at step %d: step skipped", step)
         step += 1
         # 5) push weights to vLLM: all ranks gather, rank 0 broadcasts
-        t_sync, version = time.time(), version + 1
+        t_sync = time.time()
+        version += 1
         push_weights(sync, model, version)
         if args.verify_sync:  # all ranks gather the full state dict; rank 0 compares it with the server's
             sd = full_state_dict(model)
             if rank == 0:
                 got = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers())
-                theirs, dtype = got.json()["checksums"], getattr(torch, sync["dtype"])
-                if bad := [
-                    n
-                    for n in theirs
-                    if n not in sd
-                    or hashlib.sha256(sd[n].to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() != theirs[n]
-                ]:
-                    raise RuntimeError(f"weights differ after the push: {bad[:5]}")
+                theirs = got.json()["checksums"]
+                dtype = getattr(torch, sync["dtype"])
+                ours = {
+                    n: hashlib.sha256(t.to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest()
+                    for n, t in sd.items()
+                }
+                differ = [n for n in theirs if ours.get(n) != theirs[n]]
+                if differ:
+                    raise RuntimeError(f"weights differ after the push: {differ[:5]}")
         sync_s = time.time() - t_sync
         # 6) log, evaluate, checkpoint
-        new_tokens = sum(len(c["token_ids"]) for _, _, c in comps)
+        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         n, r_sum, correct, parse_err, tokens, loss_all, mismatch = all_sum(
-            len(comps),
+            len(samples),
             rewards.sum().item(),
             sum(g.correct for g in grades),
             sum(g.parse_error for g in grades),
@@ -876,30 +948,28 @@ if __name__ == "__main__":
             "step_s": time.time() - t0,
             "tokens_per_s": tokens / (time.time() - t0),
         }
-        for (row, _, c), g, a, seed in zip(comps, grades, advantages.tolist(), sample_seeds):
-            rollout_log.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "rank": rank,
-                        "problem": row["problem"],
-                        "completion": c["text"],
-                        **g._asdict(),
-                        "advantage": a,
-                        "versions": c["versions"],
-                        "seed": seed,
-                    }
-                )
-                + "\n"
-            )
+        with open(args.rollout_log.replace("{RANK}", str(rank)), "a") as rollout_log:  # one JSON line per rollout
+            for sample, grade_, advantage in zip(samples, grades, advantages.tolist(), strict=True):
+                record = {
+                    "step": step,
+                    "rank": rank,
+                    "problem": sample.row["problem"],
+                    "completion": sample.completion["text"],
+                    **grade_._asdict(),
+                    "advantage": advantage,
+                    "versions": sample.completion["versions"],
+                    "seed": sample.seed,
+                }
+                rollout_log.write(json.dumps(record) + "\n")
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate())
-        report(metrics, step)
+        log_metrics(metrics, step)
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
             if rank == 0:
-                model.config.save_pretrained(path), tokenizer.save_pretrained(path)  # (these create the directory)
+                model.config.save_pretrained(path)  # (these two create the directory)
+                tokenizer.save_pretrained(path)
                 if model.config.tie_word_embeddings:
                     sd.pop("lm_head.weight", None)
                 save_file(
