@@ -22,6 +22,9 @@ What this learner does, and how:
     a version above every server's, so records sampled by whatever the servers held before count as stale;
   - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway).
 
+What it leaves out, on purpose: sharding the learner over GPUs (reinforce_math_fsdp2.py shows FSDP2), a replay
+buffer, a KL penalty and LoRA. The loss is the ALGO LOGIC section; the loop at the bottom pops, trains and pushes.
+
 Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
   schema                int    1
   id                    str    unique: "<actor id>/<group number>/<index in the group>"
@@ -62,17 +65,11 @@ import requests  # torch and transformers are imported in main, after the argume
 
 @dataclass
 class Args:
+    # Experiment
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face model id or local directory: the policy the servers started from"""
-    redis_url: str = "redis://localhost:6379/0"
-    """Redis server that holds the queue"""
-    queue_key: str = "gsm8k_rollouts"
-    """Redis list the actors push records to"""
-    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """vllm_sync_server.py servers to push the weights into (any tensor-parallel size each)"""
-    sync_host: Optional[str] = None
-    """address the servers' workers reach this learner at, for the weight-sync group (default: this machine's end of
-    its connection to the first server)"""
+
+    # Algorithm specific arguments
     train_steps: int = 100
     """number of optimizer steps"""
     batch_size: int = 64
@@ -94,14 +91,29 @@ class Args:
     """ppo: upper clip of the ratio (1 + eps); DAPO's clip-higher uses 0.28"""
     tis_cap: float = 2.0
     """tis: cap of the per-token importance weight"""
-    max_seq_len: int = 1024
-    """prompt + completion tokens kept for training (longer ones are truncated)"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
+    max_seq_len: int = 1024
+    """prompt + completion tokens kept for training (longer ones are truncated)"""
+
+    # The queue
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis server that holds the queue"""
+    queue_key: str = "gsm8k_rollouts"
+    """Redis list the actors push records to"""
+
+    # The servers and the weight sync
+    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vllm_sync_server.py servers to push the weights into (any tensor-parallel size each)"""
+    sync_host: Optional[str] = None
+    """address the servers' workers reach this learner at, for the weight-sync group (default: this machine's end of
+    its connection to the first server)"""
     sync_every_steps: int = 1
     """push the weights to the servers every this many steps (each push is a new version)"""
     verify_sync: bool = False
     """after each push, compare every server's weight checksums with the learner's"""
+
+    # Logging and checkpoints
     logger: str = "print"
     """comma-separated: print, wandb (W&B reads WANDB_* variables)"""
     rollout_log: Optional[str] = "pipeline_rollouts.jsonl"
@@ -115,60 +127,9 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Records: decode and check everything the loss will index with, before anything touches the model
-FIELDS = {
-    "schema": int,
-    "id": str,
-    "group_id": str,
-    "prompt_token_ids": list,
-    "completion_token_ids": list,
-    "logprobs": list,
-    "reward": float,
-    "advantage": float,
-    "version_min": int,
-    "version_max": int,
-}
-
-
-def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tuple[Optional[dict], Optional[str]]:
-    """A queue entry -> (record, None), or (None, why it is rejected). JSON if it starts with '{', else msgpack.
-    `temperature`: the learner's; a record's logprobs must be under the same one (1.0 when the record has none)."""
-    import msgpack
-
-    try:
-        rec = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # pickle, garbage, a truncated write: all land here
-        return None, f"neither JSON nor msgpack ({type(e).__name__}: {str(e)[:100]})"
-    if not isinstance(rec, dict):
-        return None, f"not a map but {type(rec).__name__}"
-    for name, kind in FIELDS.items():
-        value = rec.get(name)
-        ok = isinstance(value, (int, float)) and math.isfinite(value) if kind is float else isinstance(value, kind)
-        if not ok or isinstance(value, bool):
-            return None, f"field {name!r} missing or not {kind.__name__} (got {type(value).__name__})"
-    if rec["schema"] != 1:
-        return None, f"schema {rec['schema']} (this learner reads 1)"
-    for name in ("prompt_token_ids", "completion_token_ids"):
-        if not rec[name] or not all(type(t) is int and 0 <= t < vocab_size for t in rec[name]):
-            return None, f"{name} empty or not token ids in [0, {vocab_size})"
-    if len(lp := rec["logprobs"]) != len(rec["completion_token_ids"]):
-        return None, f"{len(lp)} logprobs for {len(rec['completion_token_ids'])} completion tokens"
-    if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):
-        return None, "logprobs must be finite and <= 0"
-    if not 0 <= rec["version_min"] <= rec["version_max"]:
-        return None, f"versions {rec['version_min']}..{rec['version_max']}"
-    sampled_at = rec.get("temperature", 1.0)  # absent: the record format's default
-    if type(sampled_at) not in (int, float) or sampled_at != temperature:
-        told = f"temperature {sampled_at!r}" if "temperature" in rec else "no temperature field (so 1.0)"
-        return (
-            None,
-            f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's",
-        )
-    return rec, None
-
-
-# ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC: the off-policy loss
+# ALGO LOGIC: the off-policy loss, the policy's logprobs, micro-batches
+# Shapes: B sequences in a batch (b in a micro-batch), L tokens of the longest prompt + completion in a micro-batch,
+# T completion tokens of its longest completion, N completion tokens of all its rows, V vocabulary, H hidden size.
 def policy_loss(
     logprobs,
     sampling_logprobs,
@@ -214,15 +175,15 @@ def policy_loss(
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
-    """Log-probabilities of the next tokens at the positions in `targets_at` ([N] flat indices into [B, T-1]) under
-    the sampling policy softmax(logits / temperature), the one vLLM sampled from and reports logprobs of: at another
-    temperature the importance ratio pi / mu would compare two different policies. No [B, T, V] fp32 log_softmax: the
-    lm_head runs on `chunk` positions at a time and is recomputed in backward (checkpoint), so at most one [chunk, V]
-    block of logits is alive. (Copied from grpo_gsm8k.py.)"""
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
+    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
+    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
+    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
+    [chunk, V] block alive)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
 
@@ -230,36 +191,49 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
         return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
-    return torch.cat(
-        [
-            checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-            for i in range(0, h.shape[0], chunk)
-        ]
-    )  # [N]
+    blocks = [
+        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(blocks)  # [N]
+
+
+def as_rows(flat, mask):
+    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
+    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
+    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
+    import torch
+
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch, sorted by
-    length so that a micro-batch holds sequences of similar length: little padding."""
-    batches, cur = [], []
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
+    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
+    batches = []
+    current = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            batches, cur = batches + [cur], []
-        cur.append(i)
-    return batches + [cur] if cur else batches
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
-    """Right-padded ids and attention mask [b, L]; completion mask [b, Tc]; and the flat positions in [b, L-1]
-    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before)."""
+    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
+    row."""
     import torch
 
     L = max(len(seqs[i]) for i in idx)
     n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
-    Tc = max(1, max(n_comp))
+    T = max(1, max(n_comp))
     ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
     attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    mask = torch.tensor([[1] * n + [0] * (Tc - n) for n in n_comp], device=device)  # [b, Tc]
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
     at = torch.tensor(
         [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
         dtype=torch.long,
@@ -268,12 +242,75 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
     return ids, attn, mask, at
 
 
+def sampler_logprobs(records: list[dict], idx: list[int], n_comp: list[int], mask):
+    """log mu: the logprobs the records of the micro-batch's rows `idx` carry (each token's, under the version that
+    sampled it), laid out as its completion mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    T = mask.shape[1]
+    rows = [records[i]["logprobs"][: n_comp[i]] for i in idx]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], dtype=torch.float32, device=mask.device)
+
+
 # ---------------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the client side of vllm_sync_server.py, for several servers in one group
+# TRY NOT TO MODIFY: records. Decode and check everything the loss will index with, before anything touches the model
+FIELDS = {
+    "schema": int,
+    "id": str,
+    "group_id": str,
+    "prompt_token_ids": list,
+    "completion_token_ids": list,
+    "logprobs": list,
+    "reward": float,
+    "advantage": float,
+    "version_min": int,
+    "version_max": int,
+}
+
+
+def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tuple[Optional[dict], Optional[str]]:
+    """A queue entry -> (record, None), or (None, why it is rejected). JSON if it starts with '{', else msgpack.
+    `temperature`: the learner's; a record's logprobs must be under the same one (1.0 when the record has none)."""
+    import msgpack
+
+    try:
+        rec = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # pickle, garbage, a truncated write: all land here
+        return None, f"neither JSON nor msgpack ({type(e).__name__}: {str(e)[:100]})"
+    if not isinstance(rec, dict):
+        return None, f"not a map but {type(rec).__name__}"
+    for name, kind in FIELDS.items():
+        value = rec.get(name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) if kind is float else isinstance(value, kind)
+        if not ok or isinstance(value, bool):
+            return None, f"field {name!r} missing or not {kind.__name__} (got {type(value).__name__})"
+    if rec["schema"] != 1:
+        return None, f"schema {rec['schema']} (this learner reads 1)"
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        if not rec[name] or not all(type(t) is int and 0 <= t < vocab_size for t in rec[name]):
+            return None, f"{name} empty or not token ids in [0, {vocab_size})"
+    lp = rec["logprobs"]
+    if len(lp) != len(rec["completion_token_ids"]):
+        return None, f"{len(lp)} logprobs for {len(rec['completion_token_ids'])} completion tokens"
+    if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):
+        return None, "logprobs must be finite and <= 0"
+    if not 0 <= rec["version_min"] <= rec["version_max"]:
+        return None, f"versions {rec['version_min']}..{rec['version_max']}"
+    sampled_at = rec.get("temperature", 1.0)  # absent: the record format's default
+    if type(sampled_at) not in (int, float) or sampled_at != temperature:
+        told = f"temperature {sampled_at!r}" if "temperature" in rec else "no temperature field (so 1.0)"
+        why = f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's"
+        return None, why
+    return rec, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The client side of vllm_sync_server.py, for several servers in one group
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
-    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
@@ -287,7 +324,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             return r
         except requests.ConnectionError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
@@ -335,14 +372,17 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
     dtypes = {info["dtype"] for info in infos}
     if len(dtypes) != 1:
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
-    for url, info in zip(urls, infos):  # NCCL on one end and gloo on the other never meet: say so before joining
+    for url, info in zip(
+        urls, infos, strict=True
+    ):  # NCCL on one end and gloo on the other never meet: say so before joining
         if info["device"] != device.type:
             raise RuntimeError(
                 f"the server at {url} runs on {info['device']} and this learner on {device.type}: the "
                 "weight sync needs both ends on GPUs (NCCL) or both on CPU (gloo)"
             )
     with socket.socket() as s:  # a free port for the group's TCPStore, which this process hosts
-        port = s.bind(("", 0)) or s.getsockname()[1]
+        s.bind(("", 0))
+        port = s.getsockname()[1]
     host = sync_host or local_address(urls[0])  # where the servers' workers connect to our store
     timeout = datetime.timedelta(seconds=300)
     # rank 0 = this learner; server k's workers (its tensor-parallel size) take the next ranks, after those of servers
@@ -352,25 +392,12 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
     connections = 8  # gloo (CPU): many broadcasts in flight at once hide each one's latency (bench/weight_sync.py)
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     wait_s = 2 * max(info["sync_timeout_s"] for info in infos) + 180  # a 2nd line: after a collective and one before
-    answers = [
-        lines(
-            post(
-                url,
-                "/init_communicator",
-                {
-                    "host": host,
-                    "port": port,
-                    "world_size": world_size,
-                    "rank_offset": offset,
-                    "connections": connections,
-                },
-                stream=True,
-                timeout=wait_s,
-            )
-        )
-        for url, offset in zip(urls, offsets)
-    ]
-    [next(a) for a in answers]  # "joining": the servers' workers are connecting to our store now
+    answers = []
+    for url, offset in zip(urls, offsets, strict=True):
+        body = {"host": host, "port": port, "world_size": world_size, "rank_offset": offset, "connections": connections}
+        answers.append(lines(post(url, "/init_communicator", body, stream=True, timeout=wait_s)))
+    for answer in answers:
+        next(answer)  # "joining": the server's workers are connecting to our store now
     try:
         if device.type == "cuda":  # building our end completes the rendezvous of all ranks
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # a late peer must raise, not end the process
@@ -383,10 +410,14 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
             opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
             pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
     except Exception as e:  # some workers never joined: the servers' second lines say why
-        why = [f"{url}: {next(a, {'error': 'no answer'}).get('error', 'joined')}" for url, a in zip(urls, answers)]
+        why = [
+            f"{url}: {next(a, {'error': 'no answer'}).get('error', 'joined')}"
+            for url, a in zip(urls, answers, strict=True)
+        ]
         raise RuntimeError(f"the servers' workers did not join this learner's group at {host}:{port}: {why}") from e
-    for url, a in zip(urls, answers):
-        if (done := next(a))["status"] != "ok":
+    for url, answer in zip(urls, answers, strict=True):
+        done = next(answer)
+        if done["status"] != "ok":
             raise RuntimeError(f"{url}/init_communicator failed (this learner's group at {host}:{port}): {done}")
     return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device, "timeout_s": wait_s}
 
@@ -398,24 +429,20 @@ def push_weights(sync: dict, model, version: int) -> float:
     import torch
     import torch.distributed as dist
 
-    t0, dtype = time.time(), getattr(torch, sync["dtype"])
+    t0 = time.time()
+    dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
+    body = {"params": params, "version": version}
     answers = [
-        lines(
-            post(
-                url,
-                "/update_param_batch",
-                {"params": params, "version": version},
-                stream=True,
-                timeout=sync["timeout_s"],
-            )
-        )
-        for url in sync["urls"]
+        lines(post(url, "/update_param_batch", body, stream=True, timeout=sync["timeout_s"])) for url in sync["urls"]
     ]
-    [next(a) for a in answers]  # "receiving": each server checked the metadata, paused generation, and waits
-    opts, inflight, ahead = dist.BroadcastOptions(), [], 0
+    for answer in answers:
+        next(answer)  # "receiving": the server checked the metadata and waits for the broadcasts
+    opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    inflight = []  # (bytes, work) of the broadcasts not known to be done
+    ahead = 0  # their bytes
     for _, p in named:  # one broadcast reaches every server
         buf = p.to(sync["device"], dtype).contiguous().view(-1).view(torch.uint8)  # bytes, as the servers receive them
         inflight.append((buf, sync["pg"].broadcast([buf], opts)))  # keep buf alive until its broadcast ends
@@ -432,8 +459,9 @@ def push_weights(sync: dict, model, version: int) -> float:
         )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
-    for url, a in zip(sync["urls"], answers):
-        if (done := next(a))["status"] != "ok" or done["version"] != version:
+    for url, answer in zip(sync["urls"], answers, strict=True):
+        done = next(answer)
+        if done["status"] != "ok" or done["version"] != version:
             raise RuntimeError(f"weight push to {url} failed: {done}")
     return time.time() - t0
 
@@ -449,10 +477,9 @@ def verify_weights(sync: dict, model) -> None:
     }  # state_dict: a tied lm_head.weight too, as the servers report it
     for url in sync["urls"]:
         theirs = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
-        if ours != theirs:
-            raise RuntimeError(
-                f"{url}: weights differ after the push: {sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))[:5]}"
-            )
+        differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+        if differ:
+            raise RuntimeError(f"{url}: weights differ after the push: {differ[:5]}")
 
 
 def with_retries(what: str, where: str, fn):
@@ -472,7 +499,7 @@ def with_retries(what: str, where: str, fn):
 if __name__ == "__main__":
     import tyro
 
-    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
 
     import redis
     import torch
@@ -499,18 +526,17 @@ if __name__ == "__main__":
 
         wandb.init(config=dataclasses.asdict(args), resume="allow")
 
-    def log(metrics: dict, step: int) -> None:
+    def log_metrics(metrics: dict, step: int) -> None:
+        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
         if "print" in loggers:
-            print(
-                f"step {step}: "
-                + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
-                flush=True,
-            )
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
         if "wandb" in loggers:
             wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
-    step, version, counts = 0, 0, Counter()  # counts: trained, dropped, rejected records since the start of the run
+    step = 0  # optimizer steps taken
+    version = 0  # the policy version the servers hold (one per push)
+    counts = Counter()  # trained, dropped, rejected records since the start of the run
     ckpts = (
         sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
         if os.path.isdir(args.checkpoint_dir)
@@ -524,11 +550,12 @@ if __name__ == "__main__":
     vocab_size = model.get_input_embeddings().num_embeddings
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     if load_from != args.model:
-        state = torch.load(
-            os.path.join(load_from, "trainer_state.pt"), map_location="cpu", weights_only=True
-        )  # any device layout
+        state_path = os.path.join(load_from, "trainer_state.pt")
+        state = torch.load(state_path, map_location="cpu", weights_only=True)  # saved from any device
         optimizer.load_state_dict(state["optimizer"])
-        step, version, counts = state["step"], state["version"], Counter(state["counts"])
+        step = state["step"]
+        version = state["version"]
+        counts = Counter(state["counts"])
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -546,12 +573,16 @@ if __name__ == "__main__":
         verify_weights(sync, model)
     print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
 
-    rollout_log = open(args.rollout_log, "a") if args.rollout_log else None
-    start_time, first_step = time.time(), step
+    start_time = time.time()
+    first_step = step
     while step < args.train_steps:
         t0 = time.time()
         # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
-        batch, lags, t_wait, popped_log, last_note = [], Counter(), 0.0, [], time.time()
+        batch = []  # the records trained on this step
+        lags = Counter()  # lag -> records popped this step
+        t_wait = 0.0  # seconds spent waiting for the queue
+        popped_log = []  # one rollout-log line per popped record
+        last_note = time.time()
         while len(batch) < args.batch_size:
             tw = time.time()
             item = with_retries("BLPOP", where, lambda: r.blpop([args.queue_key], timeout=5))
@@ -561,14 +592,15 @@ if __name__ == "__main__":
                     print(f"waiting for records in {args.queue_key}", flush=True)
                     last_note = time.time()
                 continue
+            raws = [item[1]]
             more = args.batch_size - len(batch) - 1
-            raws = [item[1]] + (
-                (with_retries("LPOP", where, lambda: r.lpop(args.queue_key, more)) or []) if more else []
-            )
+            if more:
+                raws += with_retries("LPOP", where, lambda more=more: r.lpop(args.queue_key, more)) or []
             for raw in raws:
                 rec, why = decode_record(raw, vocab_size, args.temperature)
                 if rec is not None and rec["version_max"] > version:
-                    rec, why = None, f"version {rec['version_max']} is ahead of this learner's {version}"
+                    why = f"version {rec['version_max']} is ahead of this learner's {version}"
+                    rec = None
                 if rec is None:
                     counts["rejected"] += 1
                     print(f"WARNING: rejected a record of {len(raw)} bytes: {why}", flush=True)
@@ -595,27 +627,24 @@ if __name__ == "__main__":
         # 2) loss and update: one optimizer step over all micro-batches of the batch
         seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in batch]
         n_prompt = [len(rec["prompt_token_ids"]) for rec in batch]
-        n_comp = [max(0, len(s) - n) for s, n in zip(seqs, n_prompt)]
+        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
         advantages = torch.tensor([rec["advantage"] for rec in batch], dtype=torch.float32)  # [B]
-        B, stats, mismatch, bad = len(batch), {"loss": 0.0}, [0.0, 0], False
+        B = len(batch)
+        stats = {"loss": 0.0}
+        mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
+        fresh_tokens = 0  # those tokens
+        bad = False  # a non-finite loss: no update
         optimizer.zero_grad(set_to_none=True)
         for idx in pack_micro_batches([len(s) for s in seqs], args.micro_token_budget):
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id or 0, device)
             with autocast:
                 flat = token_logprobs(model, ids, attn, at, args.temperature)  # [N], the sampler's policy
-                logprobs = torch.zeros(mask.shape, device=device).masked_scatter(mask.bool(), flat.float())  # [b, Tc]
-            mu = torch.tensor(
-                [batch[i]["logprobs"][: n_comp[i]] + [0.0] * (mask.shape[1] - n_comp[i]) for i in idx],
-                dtype=torch.float32,
-                device=device,
-            )  # [b, Tc]: the sampling policy's logprobs
-            fresh = (
-                torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)[:, None] * mask
-            )  # [b, Tc]
-            mismatch = [
-                mismatch[0] + ((logprobs.detach() - mu).abs() * fresh).sum().item(),
-                mismatch[1] + fresh.sum().item(),
-            ]
+                logprobs = as_rows(flat, mask)  # [b, T]
+            mu = sampler_logprobs(batch, idx, n_comp, mask)  # [b, T]: the sampling policy's logprobs
+            sampled_now = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)  # [b]
+            fresh = sampled_now[:, None] * mask  # [b, T]: tokens sampled by the weights we hold
+            mismatch_sum += ((logprobs.detach() - mu).abs() * fresh).sum().item()
+            fresh_tokens += fresh.sum().item()
             loss = policy_loss(
                 logprobs,
                 mu,
@@ -649,16 +678,17 @@ if __name__ == "__main__":
                 verify_weights(sync, model)
 
         # 4) log, checkpoint
-        step_s, T = time.time() - t0, max(1.0, stats.get("tokens", 0.0))
+        step_s = time.time() - t0
+        T_all = max(1.0, stats.get("tokens", 0.0))  # completion tokens of the batch
         queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
         metrics = {
             "loss": stats["loss"],
             "grad_norm": grad_norm.item(),
             "reward": sum(x["reward"] for x in batch) / B,
             "avg_completion_length": sum(n_comp) / B,
-            "clip_frac": stats.get("clipped_tokens", 0.0) / T,
-            "ratio": stats.get("ratio_sum", T) / T,
-            "logprob_mismatch": mismatch[0] / max(1, mismatch[1]),
+            "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
+            "ratio": stats.get("ratio_sum", T_all) / T_all,
+            "logprob_mismatch": mismatch_sum / max(1, fresh_tokens),
             "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
             "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
             "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),
@@ -673,10 +703,11 @@ if __name__ == "__main__":
             "sync_s": sync_s,
             "step_s": step_s,
         }
-        log(metrics, step)
-        if rollout_log:
-            rollout_log.writelines(json.dumps({"step": step, **x}) + "\n" for x in popped_log)
-            rollout_log.flush()
+        log_metrics(metrics, step)
+        if args.rollout_log:
+            with open(args.rollout_log, "a") as rollout_log:
+                for line in popped_log:
+                    rollout_log.write(json.dumps({"step": step, **line}) + "\n")
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
