@@ -12,6 +12,9 @@ problems here, so this script's accuracy and grpo_gsm8k.py's reward mean the sam
   - `--strict-format`: credit only for `<think>...</think>` followed by a boxed answer (the R1 format);
   - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py.
 
+What it leaves out, on purpose: few-shot prompts, answer-format hints beyond the system prompt, and majority voting.
+The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate, grade, summarise and write.
+
   # one GPU: the server is started for you; the first 250 GSM8K test problems, greedy
   python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
   # against a running server (it must serve --model), all of MATH-500, 8 samples per problem: pass@1..8
@@ -26,6 +29,7 @@ import multiprocessing as mp
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -41,30 +45,38 @@ import requests
 
 @dataclass
 class Args:
+    # Experiment
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face model id or local directory (a grpo_gsm8k.py checkpoint works); the server must serve it"""
     task: Literal["gsm8k", "math500"] = "gsm8k"
     """benchmark: GSM8K (gold: the number after ####) or MATH-500 (gold: the answer, or a solution's last box)"""
     dataset: Optional[str] = None
-    """Hugging Face dataset, or a local directory with {split}.jsonl in its schema (None: openai/gsm8k, config main, or HuggingFaceH4/MATH-500)"""
+    """Hugging Face dataset, or a local directory with {split}.jsonl in its schema (None: openai/gsm8k, config main,
+    or HuggingFaceH4/MATH-500)"""
     split: str = "test"
     """dataset split"""
     limit: int = 250
     """evaluate the first `limit` problems of the split (0: all of them)"""
-    n: int = 1
-    """samples per problem; pass@k is reported for k = 1, 2, 4, ... <= n (n > 1 needs --temperature > 0)"""
-    temperature: float = 0.0
-    """sampling temperature (0: greedy, as Qwen's GSM8K evaluation)"""
-    max_tokens: int = 512
-    """maximum new tokens per completion (a truncated answer has no box: a parse error)"""
     system_prompt: str = ""
     """system prompt ("" for none; a chat template may then insert its own default, as Qwen2.5's does)"""
     strict_format: bool = False
     """credit only `<think>...</think>` followed by a \\boxed{} answer after </think>"""
     out: Optional[str] = None
     """JSONL file: one line per problem, then a summary line (None: {task}_eval.jsonl)"""
+
+    # Sampling
+    n: int = 1
+    """samples per problem; pass@k is reported for k = 1, 2, 4, ... <= n (n > 1 needs --temperature > 0)"""
+    temperature: float = 0.0
+    """sampling temperature (0: greedy, as Qwen's GSM8K evaluation)"""
+    max_tokens: int = 512
+    """maximum new tokens per completion (a truncated answer has no box: a parse error)"""
     seed: int = 1
     """seed of the sampling: sample j of problem i gets seed + i * n + j"""
+    concurrency: int = 32
+    """generation requests in flight"""
+
+    # The server
     vllm_host: str = "127.0.0.1"
     """host of vllm_sync_server.py"""
     vllm_port: int = 8000
@@ -75,8 +87,8 @@ class Args:
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
-    concurrency: int = 32
-    """generation requests in flight"""
+
+    # Grading
     grade_timeout_s: float = 5.0
     """CPU seconds a grading worker may spend on one completion (its own CPU time, so a busy machine changes no
     verdict); past them the completion scores 0 with parse_error"""
@@ -86,8 +98,42 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Grading: copied from grpo_gsm8k.py (normalize_answer and the math-verify call are identical, so every copy
-# agrees: tests/test_grading_cases.py), plus what evaluation needs: MATH golds and the strict R1 format.
+# ALGO LOGIC: the metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k (the chance that at least one of k samples is right) from n >= k samples of
+    which c are right (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1):
+        1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i)
+    The product form never builds the huge binomials, so it is exact to float precision for any n."""
+    if n - c < k:
+        return 1.0  # every k-subset holds a right sample
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n."""
+    return [2**j for j in range(n.bit_length())]
+
+
+def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: list[list[int]]) -> dict:
+    """Per-problem lists of n samples -> the reported metrics. `accuracy` scores the first sample of each
+    problem (greedy at temperature 0); the rates and lengths average over all samples."""
+    flat = lambda xs: [x for row in xs for x in row]  # noqa: E731
+    n = len(correct[0])
+    m = {
+        "accuracy": sum(row[0] for row in correct) / len(correct),
+        "correct_rate": sum(flat(correct)) / len(flat(correct)),
+        "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
+        "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
+        "total_completion_tokens": sum(flat(tokens)),
+    }
+    for k in pass_ks(n):
+        m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: grading, copied from grpo_gsm8k.py (normalize_answer and the math-verify call are identical, so
+# every copy agrees: tests/test_grading_cases.py), plus what evaluation needs: MATH golds and the strict R1 format.
 class Grade(NamedTuple):
     reward: float
     correct: bool
@@ -291,45 +337,12 @@ def grade_batch(
 
 
 # ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC: the metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of pass@k (the chance that at least one of k samples is right) from n >= k samples of
-    which c are right (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1):
-        1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i)
-    The product form never builds the huge binomials, so it is exact to float precision for any n."""
-    if n - c < k:
-        return 1.0  # every k-subset holds a right sample
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_ks(n: int) -> list[int]:
-    """k = 1, 2, 4, ... up to n."""
-    return [2**j for j in range(n.bit_length())]
-
-
-def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: list[list[int]]) -> dict:
-    """Per-problem lists of n samples -> the reported metrics. `accuracy` scores the first sample of each
-    problem (greedy at temperature 0); the rates and lengths average over all samples."""
-    flat = lambda xs: [x for row in xs for x in row]  # noqa: E731
-    n = len(correct[0])
-    m = {
-        "accuracy": sum(row[0] for row in correct) / len(correct),
-        "correct_rate": sum(flat(correct)) / len(flat(correct)),
-        "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
-        "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
-        "total_completion_tokens": sum(flat(tokens)),
-    }
-    for k in pass_ks(n):
-        m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
-    return m
-
-
-# ---------------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the client side of vllm_sync_server.py, and the data
+# The client side of vllm_sync_server.py, and the data
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
     started with --api-key (or that variable) refuses every route but /health without it."""
-    return {"Authorization": f"Bearer {key}"} if (key := os.environ.get("VLLM_API_KEY")) else {}
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
@@ -343,7 +356,7 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             return r
         except requests.ConnectionError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}")
+                raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
         except requests.Timeout as e:  # not retried: the server may be acting on the request
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
@@ -405,8 +418,14 @@ def start_vllm_server(args: Args, log_path: str):
         str(args.vllm_port),
         *shlex.split(args.server_args),
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    atexit.register(lambda: proc.poll() is None and os.killpg(proc.pid, 15))  # SIGTERM to its process group
+    with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop_server() -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its process group: the engine and its workers too
+
+    atexit.register(stop_server)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     for _ in range(1200):
         if proc.poll() is not None:
@@ -430,17 +449,15 @@ def load_split(dataset: str, split: str, task: str) -> list[dict]:
             return [json.loads(line) for line in f if line.strip()]
     import datasets
 
-    return list(
-        datasets.load_dataset(dataset, "main", split=split)
-        if task == "gsm8k"
-        else datasets.load_dataset(dataset, split=split)
-    )
+    if task == "gsm8k":
+        return list(datasets.load_dataset(dataset, "main", split=split))
+    return list(datasets.load_dataset(dataset, split=split))
 
 
 if __name__ == "__main__":
     import tyro
 
-    args = tyro.cli(Args)  # before the heavy imports: --help is instant
+    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
     if args.n > 1 and args.temperature == 0:
         raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
 
@@ -450,8 +467,10 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     # TRY NOT TO MODIFY: server, data (the only randomness is the sampling, seeded per request on the server)
-    start_time, console = time.time(), Console()
-    url, out = f"http://{args.vllm_host}:{args.vllm_port}", args.out or f"{args.task}_eval.jsonl"
+    start_time = time.time()
+    console = Console()
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    out = args.out or f"{args.task}_eval.jsonl"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
     served = requests.get(url + "/health", timeout=30, headers=auth_headers()).json().get("model")
@@ -459,7 +478,8 @@ if __name__ == "__main__":
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]
     rows = load_split(dataset, args.split, args.task)
-    rows = rows[: args.limit] if args.limit else rows
+    if args.limit:
+        rows = rows[: args.limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     def render(question: str) -> str:
@@ -505,35 +525,35 @@ if __name__ == "__main__":
         strict_format=args.strict_format,
         backstop_s=args.grade_backstop_s,
     )
-    per = lambda xs: [xs[i * args.n : (i + 1) * args.n] for i in range(len(rows))]  # noqa: E731  flat -> [problems][n]
-    correct, parse_error = per([g.correct for g in grades]), per([g.parse_error for g in grades])
+
+    def per_problem(flat: list) -> list[list]:  # [problems * n] -> [problems][n]
+        return [flat[i * args.n : (i + 1) * args.n] for i in range(len(rows))]
+
+    correct = per_problem([g.correct for g in grades])
+    parse_error = per_problem([g.parse_error for g in grades])
     tokens = [[len(c["token_ids"]) for c in cs] for cs in samples]
 
     # 4) metrics: first-sample accuracy, rates over all samples, pass@k
     metrics = summarize(correct, parse_error, tokens)
 
     # 5) log: one JSONL line per problem, a summary line, a table
-    graded = per(texts)
+    graded = per_problem(texts)
     with open(out, "w") as f:
         for i, row in enumerate(rows):
-            f.write(
-                json.dumps(
-                    {
-                        "index": i,
-                        "id": row.get("unique_id", i),
-                        "prompt": prompts[i],
-                        "gold": golds[i],
-                        "gold_answer": gold_answer(golds[i], args.task),
-                        "completions": [c["text"] for c in samples[i]],
-                        "extracted": [extract_answer(t, args.strict_format) for t in graded[i]],
-                        "correct": correct[i],
-                        "parse_error": parse_error[i],
-                        "tokens": tokens[i],
-                        "finish_reason": [c["finish_reason"] for c in samples[i]],
-                    }
-                )
-                + "\n"
-            )
+            record = {
+                "index": i,
+                "id": row.get("unique_id", i),
+                "prompt": prompts[i],
+                "gold": golds[i],
+                "gold_answer": gold_answer(golds[i], args.task),
+                "completions": [c["text"] for c in samples[i]],
+                "extracted": [extract_answer(t, args.strict_format) for t in graded[i]],
+                "correct": correct[i],
+                "parse_error": parse_error[i],
+                "tokens": tokens[i],
+                "finish_reason": [c["finish_reason"] for c in samples[i]],
+            }
+            f.write(json.dumps(record) + "\n")
         summary = {
             **metrics,
             "num_problems": len(rows),
