@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Set up a CPU-only machine (tests/setup_cpu.sh) and run the test suite: bash tests/run_cpu.sh [pytest args]
+# Set up a CPU-only machine (tests/setup_cpu.sh), check formatting and lint (ruff), run the test suite:
+# bash tests/run_cpu.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 bash tests/setup_cpu.sh
+# every Python file as ruff formats it, and no finding of ruff's checks (pyproject.toml: line 120; E, F, W, B, I, SIM)
+"$VENV/bin/ruff" format --check --diff .
+"$VENV/bin/ruff" check .
 set +e
 "$VENV/bin/python" -m pytest tests -v -p no:cacheprovider "$@"
 rc=$?
