@@ -1,4 +1,5 @@
-"""Benchmark: a full weight push into a running vllm_sync_server, against the transport's limits, side by side in one run.
+"""Benchmark: a full weight push into a running vllm_sync_server, against the transport's limits, side by side in one
+run.
 
   1. this project's protocol: one POST /update_param_batch, then every tensor in order, one broadcast each, on a
      gloo group of CONNECTIONS connections; on the server's two load paths: straight into the engine's tensors
@@ -21,6 +22,7 @@ Run: .venv/bin/python bench/weight_sync.py [--shape qwen2.5-0.5b --dtype bfloat1
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -116,6 +118,12 @@ def push(url, pg, named):
     return done
 
 
+def push_per_parameter(url, pg, named, groups):
+    """The per-parameter protocol: one request (and its broadcasts) per group of `per_parameter_groups`."""
+    for group in groups:
+        push(url, pg, {n: named[n] for n in group})
+
+
 def per_parameter_groups(names):
     """Requests of the per-parameter protocol: one tensor each, except vLLM's fused siblings."""
     groups, seen = [], set()
@@ -191,7 +199,7 @@ def raw_receiver(port, sizes, rounds):
     one, each = [torch.zeros(sum(sizes), dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     staging = [torch.zeros(PACKED, dtype=torch.uint8) for _ in range(2)]
     for _ in range(rounds):
-        for (c, way), pg in pgs.items():
+        for (_connections, way), pg in pgs.items():
             raw_transfer(pg, way, one if way == "one" else each, staging, rank=1)
     assert all(torch.equal(b, pattern(b.numel())) for b in each)  # the packed way (last) delivered every byte
 
@@ -239,13 +247,12 @@ def main(shape: str, dtype: str, tmp: str) -> None:
             for r in range(REPEATS + 1):  # round 0: warm-up, not counted
                 raw = {}
                 for (c, way), rpg in raw_pgs.items():
-                    raw[c, way] = clock(
-                        f"raw, {names[way]}, {c} connection(s)",
-                        lambda: raw_transfer(rpg, way, one if way == "one" else each, staging, rank=0),
-                        keep=r > 0,
+                    transfer = functools.partial(
+                        raw_transfer, pg=rpg, way=way, bufs=one if way == "one" else each, staging=staging, rank=0
                     )
+                    raw[c, way] = clock(f"raw, {names[way]}, {c} connection(s)", transfer, keep=r > 0)
                 label = f"this protocol ({mode})"
-                pushed = clock(label, lambda: push(url, pg, named), keep=r > 0)
+                pushed = clock(label, functools.partial(push, url=url, pg=pg, named=named), keep=r > 0)
                 if r > 0:
                     for c in (1, CONNECTIONS):
                         ratios.setdefault(f"{label} / one broadcast, {c} connection(s)", []).append(
@@ -259,7 +266,7 @@ def main(shape: str, dtype: str, tmp: str) -> None:
                 groups = per_parameter_groups(list(named))
                 per_param = clock(
                     f"per-parameter protocol ({len(groups)} requests)",
-                    lambda: [push(url, pg, {n: named[n] for n in g}) for g in groups],
+                    functools.partial(push_per_parameter, url=url, pg=pg, named=named, groups=groups),
                 )
                 ratios["per-parameter"] = [per_param / statistics.median(times["this protocol (direct)"])]
         finally:
@@ -269,7 +276,8 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     raw = min(med["raw, one broadcast, 1 connection(s)"], med[f"raw, one broadcast, {CONNECTIONS} connection(s)"])
     print(
-        f"\nmedians over {REPEATS} rounds per server, {2 * REPEATS} for the raw ways; x raw: vs the better one-broadcast"
+        f"\nmedians over {REPEATS} rounds per server, {2 * REPEATS} for the raw ways; "
+        "x raw: vs the better one-broadcast"
     )
     print(f"{'way':<52} {'seconds':>8} {'GB/s':>6} {'x raw':>6}")
     for k, v in med.items():
@@ -280,16 +288,15 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     # the minimum of two, which is biased low: printed too, as a bound.)
     best = min((1, CONNECTIONS), key=lambda c: med[f"raw, one broadcast, {c} connection(s)"])
     key = f"this protocol (direct) / one broadcast, {best} connection(s)"
+    per_round = " ".join(f"{x:.2f}" for x in ratios[key])
     print(
-        f"\nthis protocol / raw one broadcast ({best} connection(s)), same round (median) = {r[key]:.2f}x (target <= 1.3x)"
-        f"; per round: {' '.join(f'{x:.2f}' for x in ratios[key])}"
+        f"\nthis protocol / raw one broadcast ({best} connection(s)), same round (median) = {r[key]:.2f}x "
+        f"(target <= 1.3x); per round: {per_round}"
     )
-    print(
-        f"this protocol / the faster raw one broadcast of each round       = {r['this protocol (direct), per round fastest']:.2f}x"
-    )
-    print(
-        f"this protocol / raw one broadcast per tensor, same round        = {r['this protocol (direct), per tensor']:.2f}x"
-    )
+    fastest = r["this protocol (direct), per round fastest"]
+    print(f"this protocol / the faster raw one broadcast of each round       = {fastest:.2f}x")
+    per_tensor = r["this protocol (direct), per tensor"]
+    print(f"this protocol / raw one broadcast per tensor, same round        = {per_tensor:.2f}x")
     print(f"per-parameter / this protocol                          = {r['per-parameter']:.1f}x (target >= 3x)")
 
 

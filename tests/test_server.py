@@ -16,6 +16,7 @@ import torch
 
 from conftest import PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
 
+SCRIPT = "vllm_sync_server.py"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYNC_TIMEOUT_S = 10
@@ -74,7 +75,7 @@ def assert_logprobs_match(url, model, temperature=1.0, prompts=None, atol=2e-4):
     prompts = prompts or [[5, 17, 33, 2, 91], [44, 8, 120, 7]]
     out = generate(url, prompts=prompts, n=3, temperature=temperature, max_tokens=12, seed=3)
     worst = 0.0
-    for p, res in zip(prompts, out["results"]):
+    for p, res in zip(prompts, out["results"], strict=True):
         assert res["prompt_token_ids"] == p and len(res["completions"]) == 3
         for c in res["completions"]:
             assert len(c["token_ids"]) == len(c["logprobs"]) == 12
@@ -187,7 +188,7 @@ def test_full_and_partial_push(server, hf_model):
     torch.manual_seed(1)
     new = state_dict_with_tied(hf_model)
     with torch.no_grad():
-        for k, v in hf_model.named_parameters():  # named_parameters() lists a tied weight once
+        for _name, v in hf_model.named_parameters():  # named_parameters() lists a tied weight once
             v.add_(torch.randn_like(v) * 0.02)
     params = {k: v.detach() for k, v in hf_model.named_parameters()}
     new = state_dict_with_tied(hf_model)
@@ -356,16 +357,21 @@ def test_client_killed_mid_push_does_not_wedge_server(server, tiny_model, hf_mod
     assert_logprobs_match(server, hf_model)
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def engine_cpu_seconds(url):
     """CPU time used so far by the vLLM engine process of the server at `url` (its child titled VLLM::EngineCore)."""
     kids = [
         int(c)
         for t in os.listdir(f"/proc/{PID[url]}/task")
-        for c in open(f"/proc/{PID[url]}/task/{t}/children").read().split()
+        for c in read(f"/proc/{PID[url]}/task/{t}/children").split()
     ]
-    engine = [k for k in kids if open(f"/proc/{k}/comm").read().startswith("VLLM::EngineCor")]
+    engine = [k for k in kids if read(f"/proc/{k}/comm").startswith("VLLM::EngineCor")]
     assert len(engine) == 1, kids
-    fields = open(f"/proc/{engine[0]}/stat").read().rsplit(")", 1)[1].split()
+    fields = read(f"/proc/{engine[0]}/stat").rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
 
@@ -461,15 +467,13 @@ def test_generate_limits_follow_the_engine(server):
 
 def test_help_is_fast_and_non_loopback_warns(tiny_model):
     t0 = time.time()
-    r = subprocess.run(
-        [PY, "-X", "importtime", os.path.join(ROOT, "vllm_sync_server.py"), "--help"], capture_output=True, text=True
-    )
+    r = subprocess.run([PY, "-X", "importtime", os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--sync-timeout-s" in r.stdout and time.time() - t0 < 3
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "vllm" not in imported
     # binding a non-loopback address without a key warns before anything else happens
     proc = subprocess.Popen(
-        [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", tiny_model, "--host", "0.0.0.0", "--port", "0"],
+        [PY, os.path.join(ROOT, SCRIPT), "--model", tiny_model, "--host", "0.0.0.0", "--port", "0"],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -491,7 +495,7 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
                 PY,
                 "-X",
                 "importtime",
-                os.path.join(ROOT, "vllm_sync_server.py"),
+                os.path.join(ROOT, SCRIPT),
                 "--model",
                 tiny_model,
                 "--port",
@@ -651,3 +655,106 @@ def test_health_reports_a_dead_engine(server):
     while (r := requests.get(server + "/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert r.status_code == 503 and r.json()["status"] == "dead", r.text
+
+
+# check_push, the metadata check of /update_param_batch: a pure function, tested without a server
+
+F32 = "float32"
+SPECS = {  # the tiny model's, as the server builds them: the checkpoint's shapes, the engine's dtype
+    "model.embed_tokens.weight": {"dtype": F32, "shape": [384, 128]},
+    "lm_head.weight": {"dtype": F32, "shape": [384, 128]},  # (tied: listed too)
+    "model.norm.weight": {"dtype": F32, "shape": [128]},
+    "model.layers.0.self_attn.q_proj.weight": {"dtype": F32, "shape": [128, 128]},
+    "model.layers.0.self_attn.k_proj.weight": {"dtype": F32, "shape": [64, 128]},
+    "model.layers.0.self_attn.v_proj.weight": {"dtype": F32, "shape": [64, 128]},
+    "model.layers.0.self_attn.q_proj.bias": {"dtype": F32, "shape": [128]},
+    "model.layers.0.self_attn.k_proj.bias": {"dtype": F32, "shape": [64]},
+    "model.layers.0.self_attn.v_proj.bias": {"dtype": F32, "shape": [64]},
+    "model.layers.0.mlp.gate_proj.weight": {"dtype": F32, "shape": [256, 128]},
+    "model.layers.0.mlp.up_proj.weight": {"dtype": F32, "shape": [256, 128]},
+    "model.layers.0.mlp.down_proj.weight": {"dtype": F32, "shape": [128, 256]},
+}
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # vLLM's, for Qwen2
+QKV = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+MLP = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+
+
+def meta(name: str, **changes) -> dict:
+    """One entry of a push's params, as a trainer sends it: the model's spec, with `changes`."""
+    return {"name": name, **SPECS.get(name, {"dtype": F32, "shape": [4]}), **changes}
+
+
+@pytest.fixture(scope="module")
+def check_push():
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from vllm_sync_server import check_push
+
+    return check_push
+
+
+def test_check_push_accepts_whole_pushes(check_push):
+    pushes = [
+        [meta(name) for name in SPECS],  # everything
+        [meta(name) for name in reversed(SPECS)],  # in any order
+        [meta("model.norm.weight")],  # one unfused tensor
+        [meta(name) for name in MLP],  # a whole layer
+        [meta(name) for name in QKV],  # q/k/v weights without their biases: fused apart from them
+        [meta("lm_head.weight")],  # (no layer prefix)
+    ]
+    for params in pushes:
+        before = [dict(p) for p in params]
+        assert check_push(params, SPECS, PACKED) is None, params
+        assert params == before  # (pure: nothing changed)
+
+
+NORM, EMBED, Q, K, V, GATE, UP, DOWN = "model.norm.weight", "model.embed_tokens.weight", *QKV, *MLP
+REFUSED = {  # params -> the 400's message (the server's tests and the trainers' logs read them)
+    "unknown name": (
+        [meta("model.layers.0.nonexistent.weight")],
+        "parameter 'model.layers.0.nonexistent.weight': the model has no such weight",
+    ),
+    "listed twice": ([meta(NORM), meta(NORM)], f"parameter '{NORM}': listed twice"),
+    "shape": ([meta(NORM, shape=[7])], f"parameter '{NORM}': shape [7] != the model's [128]"),
+    "no shape": ([{"name": NORM, "dtype": F32}], f"parameter '{NORM}': shape None != the model's [128]"),
+    "dtype": (
+        [meta(EMBED, dtype="bfloat16")],
+        f"parameter '{EMBED}': dtype bfloat16 != the engine's float32 (cast on the trainer)",
+    ),
+    "q without k and v": (
+        [meta(Q)],
+        f"parameter '{Q}' is fused with ['{K}', '{V}'] in vLLM: send them together",
+    ),
+    "gate without up": (
+        [meta(GATE), meta(DOWN)],
+        f"parameter '{GATE}' is fused with ['{UP}'] in vLLM: send them together",
+    ),
+    "a bias without its siblings": (
+        [meta(name) for name in QKV] + [meta("model.layers.0.self_attn.k_proj.bias")],
+        "parameter 'model.layers.0.self_attn.k_proj.bias' is fused with ['model.layers.0.self_attn.q_proj.bias', "
+        "'model.layers.0.self_attn.v_proj.bias'] in vLLM: send them together",
+    ),
+    "the first bad parameter is named": (
+        [meta(NORM), meta("model.bogus.weight"), meta(EMBED, shape=[1])],
+        "parameter 'model.bogus.weight': the model has no such weight",
+    ),
+    "every parameter's metadata before the fused check": (
+        [meta(Q), meta(NORM, dtype="float16")],
+        f"parameter '{NORM}': dtype float16 != the engine's float32 (cast on the trainer)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_check_push_refuses_with_the_servers_messages(check_push, case):
+    params, message = REFUSED[case]
+    assert check_push(params, SPECS, PACKED) == message
+
+
+def test_check_push_asks_only_for_siblings_the_model_has(check_push):
+    """A fused part needs the siblings the model has: a model without v_proj takes q and k alone."""
+    specs = {name: spec for name, spec in SPECS.items() if name != V}
+    assert check_push([meta(Q), meta(K)], specs, PACKED) is None
+    assert check_push([meta(Q)], specs, PACKED) == f"parameter '{Q}' is fused with ['{K}'] in vLLM: send them together"
+    assert check_push([meta(Q)], SPECS, {}) is None  # a model vLLM fuses nothing in
