@@ -9,6 +9,7 @@ a script."""
 import contextlib
 import datetime
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -56,6 +57,11 @@ def free_port() -> int:
             _GIVEN.add(port)
             return port
     raise RuntimeError("no free port")
+
+
+def import_script(script: str):
+    """The module of a script named by its file name ("grpo_gsm8k.py"): the tests call its functions directly."""
+    return importlib.import_module(script.removesuffix(".py"))
 
 
 def start_logged(cmd: list, log_path, **popen_kwargs) -> subprocess.Popen:

@@ -5,7 +5,6 @@ route, within the timeout, instead of a hang. (Each script keeps its own copy of
 
 import ast
 import functools
-import importlib
 import json
 import socket
 import threading
@@ -16,15 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, import_script
 
 SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pipeline_learner.py", "eval.py"]
 STREAMING = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"]  # the scripts that push weights
 VERSION_READER = "pipeline_actor.py"  # the script whose server_version GETs /runtime_version
-
-
-def import_script(script: str):
-    return importlib.import_module(script.removesuffix(".py"))
 
 
 class FakeServer:

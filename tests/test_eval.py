@@ -3,7 +3,6 @@ the strict <think> format, --help without torch, and the real script end to end 
 CPU (tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here. A copy of the
 script is tested by changing SCRIPT."""
 
-import importlib
 import itertools
 import math
 import os
@@ -15,10 +14,10 @@ from fractions import Fraction
 import pytest
 import requests
 
-from conftest import FIXTURES, PY, ROOT, free_port, read_jsonl, run_ok, start_server, stop_server
+from conftest import FIXTURES, PY, ROOT, free_port, import_script, read_jsonl, run_ok, start_server, stop_server
 
 SCRIPT = "eval.py"
-E = importlib.import_module(SCRIPT.removesuffix(".py"))
+E = import_script(SCRIPT)
 SCRIPT_PATH = os.path.join(ROOT, SCRIPT)
 MATH500 = read_jsonl(os.path.join(FIXTURES, "math500", "test.jsonl"))
 

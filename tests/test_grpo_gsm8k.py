@@ -1,7 +1,6 @@
 """SCRIPT (GRPO on GSM8K): its math against naive references, and the real script end to end against a real
 vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the script is tested by changing SCRIPT."""
 
-import importlib
 import os
 import subprocess
 import time
@@ -18,6 +17,7 @@ from conftest import (
     ROOT,
     assert_learned,
     assert_seed_streams_distinct,
+    import_script,
     load_weights,
     metrics_of,
     naive_advantages,
@@ -28,7 +28,7 @@ from conftest import (
 )
 
 SCRIPT = "grpo_gsm8k.py"
-G = importlib.import_module(SCRIPT.removesuffix(".py"))
+G = import_script(SCRIPT)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ record decoder and the loss, then the real scripts as separate processes against
 on a free port) and real vllm_sync_server.py servers on CPU (conftest's toy model: 128 tokens, every gold answer 7).
 A copy of the pair is tested by changing ACTOR and LEARNER."""
 
-import importlib
 import itertools
 import json
 import math
@@ -31,6 +30,7 @@ from conftest import (
     SERVER_LOGS,
     assert_learned,
     free_port,
+    import_script,
     log_tail,
     logprob_gap,
     metrics_of,
@@ -42,8 +42,8 @@ from conftest import (
 
 ACTOR = "pipeline_actor.py"
 LEARNER = "pipeline_learner.py"
-A = importlib.import_module(ACTOR.removesuffix(".py"))
-L = importlib.import_module(LEARNER.removesuffix(".py"))
+A = import_script(ACTOR)
+L = import_script(LEARNER)
 TOY = os.path.join(FIXTURES, "gsm8k_toy")
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)"

@@ -3,7 +3,6 @@ script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real v
 MATH-schema problems whose answer is always 7). A copy of the script is tested by changing SCRIPT."""
 
 import contextlib
-import importlib
 import os
 import subprocess
 import tempfile
@@ -20,6 +19,7 @@ from conftest import (
     ROOT,
     assert_seed_streams_distinct,
     free_port,
+    import_script,
     load_weights,
     logprob_gap,
     metrics_of,
@@ -29,7 +29,7 @@ from conftest import (
 )
 
 SCRIPT = "reinforce_math_fsdp2.py"
-R = importlib.import_module(SCRIPT.removesuffix(".py"))
+R = import_script(SCRIPT)
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
