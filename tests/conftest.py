@@ -104,6 +104,11 @@ def load_weights(path) -> dict:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest |a[k] - b[k]| over the tensors of `a` (each also in `b`): how far apart two sets of weights are."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the models and the servers
 

@@ -22,6 +22,7 @@ from conftest import (
     import_script,
     load_weights,
     logprob_gap,
+    max_abs_diff,
     metrics_of,
     naive_advantages,
     read_jsonl,
@@ -332,8 +333,8 @@ def test_two_ranks_equal_one_process(toy, fsdp_run, tmp_path):
     g_one = float(m1[0]["grad_norm"])
     assert abs(g_one - float(fsdp_run.metrics[0]["grad_norm"])) < 1e-5 * g_one
     # (a small learning rate: Adam's first step, lr * g / (|g| + eps), amplifies float noise where g ~ 0)
-    assert max((two_ranks[k] - one_process[k]).abs().max().item() for k in two_ranks) < 1e-5
-    assert max((two_ranks[k] - base[k]).abs().max().item() for k in two_ranks) > 5e-5  # the step moved the weights
+    assert max_abs_diff(two_ranks, one_process) < 1e-5
+    assert max_abs_diff(two_ranks, base) > 5e-5  # the step moved the weights
 
 
 def test_resume_continues_from_the_sharded_state(toy, fsdp_run):
@@ -356,8 +357,8 @@ def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
     rows, a = step_1(tmp_path)
     ref_rows, b = step_1(fsdp_run.path)
     assert rows == ref_rows  # the same samples, so the same gradient is due
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-    assert max((a[k] - load_weights(model)[k]).abs().max().item() for k in a) > 5e-5  # the step moved the weights
+    assert max_abs_diff(a, b) < 1e-5
+    assert max_abs_diff(a, load_weights(model)) > 5e-5  # the step moved the weights
 
 
 def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
@@ -380,7 +381,7 @@ def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
     rows, a = step_1(tmp_path)
     ref_rows, b = step_1(fsdp_run.path)
     assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max_abs_diff(a, b) < 1e-5
     assert out.count("done: 1 steps") == 1 and len(m) == 1
     assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
     assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run.out  # the reference: one node, two local ranks
