@@ -14,7 +14,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_gsm8k import pack_micro_batches  # noqa: E402
+from grpo_gsm8k import pack_micro_batches  # noqa: E402 (importable once the repository root is on sys.path)
 
 
 def step_lengths(rng: random.Random, prompts=64, group=8, max_new=512, max_seq=1024):

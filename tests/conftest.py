@@ -1,35 +1,50 @@
-"""Shared test plumbing: the tiny model, free ports, a real vllm_sync_server subprocess, and a test-side
-weight-sync client (rank 0 over gloo) written independently of the scripts' own clients."""
+"""Shared test plumbing: paths, the tiny and toy models, free ports, a real vllm_sync_server subprocess (one of the toy
+model per test module), the helpers several test files use (a script's printed metrics, its checkpoints, its rollout
+log), the naive references the scripts' math is checked against, and a test-side weight-sync client (rank 0 over gloo)
+written independently of the scripts' own clients.
 
+A forked script is tested by copying its test file and changing the file's `SCRIPT = "..."` line; nothing here names
+a script."""
+
+import contextlib
 import datetime
 import hashlib
+import importlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
 import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 PY = sys.executable
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")  # tiny datasets in each task's schema
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts import as modules; so does tiny_model
 
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402 (importable only once tests/ is on sys.path, above)
 
 _GIVEN: set[int] = set()
+
+
+# ---------------------------------------------------------------------------------------------------
+# processes, files and the scripts' output
 
 
 def free_port() -> int:
     """A free port below the kernel's ephemeral range. The processes the tests start (vLLM's engines, gloo, every
     outgoing connection) take their own ports from that range, so none of them can take this one in the seconds
     before the process it is meant for binds it (a server bound too late failed a CI run)."""
-    lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         port = random.randrange(10000, lo) if lo > 11000 else 0
         with socket.socket() as s:
@@ -44,18 +59,89 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
+def import_script(script: str):
+    """The module of a script named by its file name ("grpo_gsm8k.py"): the tests call its functions directly."""
+    return importlib.import_module(script.removesuffix(".py"))
+
+
+def start_logged(cmd: list, log_path, **popen_kwargs) -> subprocess.Popen:
+    """Start `cmd` with its stdout and stderr going to the file `log_path` (the child keeps the file open; this
+    process closes its own handle at once)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen_kwargs)
+
+
+def log_tail(log_path, chars: int = 3000) -> str:
+    return Path(log_path).read_text()[-chars:]
+
+
+def run_ok(cmd: list, *, cwd, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `cmd` to its end and assert it succeeded (the tails of its output are the failure message)."""
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r
+
+
+def metrics_of(stdout: str) -> list[dict]:
+    """The metrics a script prints, one dict per `step N: key=value key=value ...` line (values as printed)."""
+    return [
+        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+        for line in stdout.splitlines()
+        if re.match(r"step \d+: ", line)
+    ]
+
+
+def read_jsonl(path) -> list[dict]:
+    """Every line of a JSON-lines file (a rollout log, an eval output, a dataset split)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def load_weights(path) -> dict:
+    """The tensors of a Hugging Face checkpoint directory (a script's checkpoint, or a model's own)."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest |a[k] - b[k]| over the tensors of `a` (each also in `b`): how far apart two sets of weights are."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the models and the servers
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
 
 
-SERVER_LOGS: dict[str, str] = {}  # url -> log file of a server started by a session fixture
+SERVER_LOGS: dict[str, str] = {}  # url -> log file of a server started by a fixture
 
 
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory) -> str:
     """The learnable toy model: a 128-token vocabulary in which each `\\boxed{d}` is one token."""
     return build_tiny_model(str(tmp_path_factory.mktemp("toy_model") / "toy"), vocab_size=128, byte_alphabet=False)
+
+
+class ToyServer(NamedTuple):
+    url: str
+    model: str  # the path of the model the server started with
+
+
+@pytest.fixture(scope="module")
+def toy(toy_model, tmp_path_factory, request) -> ToyServer:
+    """A server of the toy model, one per test module (a module's tests push their weights into it). The toy task
+    it learns on CPU: every gold answer is 7 and `\\boxed{7}` is one token of a 128-token vocabulary, so a random
+    policy is right ~5% of the time, rewards vary from the first step and gradients are not all zero."""
+    log = str(tmp_path_factory.mktemp(request.module.__name__ + "_server") / "server.log")
+    proc, url = start_server(toy_model, log)
+    SERVER_LOGS[url] = log
+    yield ToyServer(url=url, model=toy_model)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="session")
@@ -98,39 +184,28 @@ def _start_server(model: str, log_path: str, *extra: str, port: int, timeout: fl
         "1024",
         *extra,
     ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc = start_logged(cmd, log_path, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log:\n" + open(log_path).read()[-4000:])
-        try:
+            raise RuntimeError(f"server exited with {proc.returncode}; log:\n" + log_tail(log_path, 4000))
+        with contextlib.suppress(requests.RequestException):
             if requests.get(url + "/health", timeout=1).ok:
                 return proc, url
-        except requests.RequestException:
-            pass
         time.sleep(0.5)
     stop_server(proc)
-    raise RuntimeError("server did not become healthy; log:\n" + open(log_path).read()[-4000:])
+    raise RuntimeError("server did not become healthy; log:\n" + log_tail(log_path, 4000))
 
 
 def stop_server(proc) -> None:
     """Stop the server and every process it spawned (vLLM's EngineCore and workers)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-# ---------------------------------------------------------------------------------------------------
-# Test-side client of the weight-sync protocol (the reference the scripts' clients are checked against).
 
 
 def sha256(t) -> str:
@@ -139,13 +214,61 @@ def sha256(t) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
 
 
+def server_matches(url: str, ckpt_dir) -> bool:
+    """The server at `url` computes with exactly the weights of the checkpoint in `ckpt_dir`: the same tensors (a tied
+    lm_head counted as the embedding) with the same bytes, by the server's /weights_checksum."""
+    w = load_weights(ckpt_dir)
+    w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
+    got = requests.get(url + "/weights_checksum").json()["checksums"]
+    return set(got) == set(w) and all(got[k] == sha256(w[k]) for k in got)
+
+
+# ---------------------------------------------------------------------------------------------------
+# naive references of the scripts' math, and the checks the training scripts share
+
+
+def naive_advantages(rewards: list[float], group_size: int, scale: bool) -> list[float]:
+    """GRPO's group-relative advantages one element at a time: reward minus its group's mean, divided by the group's
+    sample standard deviation (+ 1e-4) when `scale`."""
+    out = []
+    for k in range(0, len(rewards), group_size):
+        group = rewards[k : k + group_size]
+        mean = sum(group) / group_size
+        std = (sum((x - mean) ** 2 for x in group) / (group_size - 1)) ** 0.5
+        out += [(x - mean) / (std + 1e-4) if scale else x - mean for x in group]
+    return out
+
+
+def assert_seed_streams_distinct(module) -> None:
+    """vLLM seeds sample j of a request with seed + j: the script's requests, spaced by the group size, never share a
+    stream, over prompts and steps (the prompt index counts on across steps), and evaluation draws from another
+    range."""
+    for group_size in (1, 4, 8):
+        train = [module.rollout_seed(2, k, group_size) + j for k in range(200) for j in range(group_size)]
+        evals = [module.eval_seed(2, i) for i in range(200)]
+        assert len(set(train + evals)) == len(train) + len(evals), group_size
+
+
+def assert_learned(rewards: list[float]) -> None:
+    """A 20-step run on the toy task learned it: the mean reward of the last 5 steps is above 0.5 and at least 0.3
+    above that of the first 3 (measured: ~0.03 -> 1.0)."""
+    first = sum(rewards[:3]) / 3
+    last = sum(rewards[15:]) / 5
+    assert last > first + 0.3 and last > 0.5, rewards
+
+
+# ---------------------------------------------------------------------------------------------------
+# Test-side client of the weight-sync protocol (the reference the scripts' clients are checked against).
+
+
 def read_lines(resp):
     return (json.loads(line) for line in resp.iter_lines() if line)
 
 
 class SyncClient:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 60):
-        self.url, self.timeout_s = url, timeout_s
+        self.url = url
+        self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pg = None
 
@@ -169,7 +292,8 @@ class SyncClient:
         lines = read_lines(r)
         assert next(lines)["status"] == "joining"
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout, opts._threads = timeout, 2 * connections
+        opts._timeout = timeout
+        opts._threads = 2 * connections
         opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(connections)]
         self.pg = dist.ProcessGroupGloo(self.store, 0, world_size, opts)
         done = next(lines)
@@ -208,11 +332,13 @@ class SyncClient:
         return next(lines)
 
 
+GAP_PROMPTS = [[5, 17, 33, 2, 91], [44, 8, 120, 7, 7, 7, 7, 9], [3]]  # token ids of the toy model's vocabulary
+
+
 def logprob_gap(module, url: str, model_path: str, temperature: float, seed: int = 0) -> float:
     """The largest |trainer logprob - server logprob| over the tokens the server samples at `temperature`, the trainer
-    side computed the way `module` (a training script) trains: its micro_batch packing and its chunked token_logprobs
-    at that temperature. The model's weights are pushed first with the test-side client (another test may have left
-    other weights in the server)."""
+    side computed the way `module` (a training script) trains (see worst_logprob_gap). The model's weights are pushed
+    first with the test-side client (another test may have left other weights in the server)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -221,19 +347,30 @@ def logprob_gap(module, url: str, model_path: str, temperature: float, seed: int
     client.init()
     done = client.push({n: p.detach() for n, p in model.named_parameters()})
     assert done["status"] == "ok", done
-    prompts = [[5, 17, 33, 2, 91], [44, 8, 120, 7, 7, 7, 7, 9], [3]]
-    body = {"prompts": prompts, "n": 4, "temperature": temperature, "max_tokens": 24, "seed": seed}
+    body = {"prompts": GAP_PROMPTS, "n": 4, "temperature": temperature, "max_tokens": 24, "seed": seed}
     results = requests.post(url + "/generate", json=body, timeout=120).json()["results"]
-    seqs, n_prompt, server_lp = [], [], []
-    for p, res in zip(prompts, results):
+    return worst_logprob_gap(module, model, GAP_PROMPTS, results, temperature)
+
+
+def worst_logprob_gap(module, model, prompts: list[list[int]], results: list[dict], temperature: float) -> float:
+    """The largest |trainer logprob - server logprob| over the completions in `results` (a /generate answer to
+    `prompts`), the trainer side computed the way `module` (a training script) trains: its micro_batch packing under a
+    small budget (several micro-batches) and its chunked token_logprobs at `temperature` (small chunks: several
+    lm_head blocks)."""
+    import torch
+
+    seqs = []  # prompt + completion token ids
+    n_prompt = []  # their prompt lengths
+    server_lp = []  # the server's logprob of each completion token
+    for prompt, res in zip(prompts, results, strict=True):
         for c in res["completions"]:
-            seqs.append(p + c["token_ids"])
-            n_prompt.append(len(p))
+            seqs.append(prompt + c["token_ids"])
+            n_prompt.append(len(prompt))
             server_lp.append(c["logprobs"])
     worst = 0.0
-    for idx in module.pack_micro_batches([len(s) for s in seqs], 64):  # a small budget: several micro-batches
-        ids, attn, mask, at = module.micro_batch(seqs, n_prompt, idx, 0, torch.device("cpu"))
-        with torch.no_grad():  # small chunks: several lm_head blocks
+    for idx in module.pack_micro_batches([len(s) for s in seqs], 64):
+        ids, attn, mask, at = module.micro_batch(seqs, n_prompt, idx, pad_id=0, device=torch.device("cpu"))
+        with torch.no_grad():
             flat = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())

@@ -4,23 +4,22 @@ route, within the timeout, instead of a hang. (Each script keeps its own copy of
 `auth_headers`; all copies are checked.)"""
 
 import ast
-import importlib
+import functools
 import json
-import os
 import socket
-import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, import_script
 
-sys.path.insert(0, ROOT)
-SCRIPTS = ["grpo_gsm8k", "reinforce_math_fsdp2", "pipeline_actor", "pipeline_learner", "eval"]
-STREAMING = ["grpo_gsm8k", "reinforce_math_fsdp2", "pipeline_learner"]  # the scripts that push weights
+SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pipeline_learner.py", "eval.py"]
+STREAMING = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"]  # the scripts that push weights
+VERSION_READER = "pipeline_actor.py"  # the script whose server_version GETs /runtime_version
 
 
 class FakeServer:
@@ -29,7 +28,9 @@ class FakeServer:
     streamed (chunked) answer, then nothing."""
 
     def __init__(self, mode: str):
-        self.mode, self.seen, self.conns = mode, [], []
+        self.mode = mode
+        self.seen = []  # (request line, headers) of every request
+        self.conns = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self.accept, daemon=True).start()
@@ -89,18 +90,19 @@ def fake(request):
 
 
 def modules():
-    return {name: importlib.import_module(name) for name in SCRIPTS}
+    return {script: import_script(script) for script in SCRIPTS}
 
 
 def within(seconds: float, fn):
     """fn() in a thread; returns (its exception or result, the seconds it took). Fails if it is still waiting after
     `seconds` (the old clients waited forever: the test must end anyway)."""
-    out, t0 = {}, time.monotonic()
+    out = {}
+    t0 = time.monotonic()
 
     def run():
         try:
             out["value"] = fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 (whatever fn raises is its result, for the caller to check)
             out["value"] = e
 
     t = threading.Thread(target=run, daemon=True)
@@ -114,8 +116,8 @@ def test_every_request_in_the_scripts_has_a_timeout_and_the_key():
     """Statically: every requests.get/post/request call in the scripts passes headers= and a timeout= that holds
     no None (no call may wait forever), and the copies of the client helpers are identical."""
     copies = {}
-    for name in SCRIPTS:
-        src = open(os.path.join(ROOT, name + ".py")).read()
+    for script in SCRIPTS:
+        src = Path(ROOT, script).read_text()
         calls = [
             n
             for n in ast.walk(ast.parse(src))
@@ -125,10 +127,10 @@ def test_every_request_in_the_scripts_has_a_timeout_and_the_key():
             and n.func.value.id == "requests"
             and n.func.attr in ("get", "post", "request")
         ]
-        assert calls, name
+        assert calls, script
         for call in calls:
             kw = {k.arg: k.value for k in call.keywords}
-            where = f"{name}.py:{call.lineno}"
+            where = f"{script}:{call.lineno}"
             assert "timeout" in kw and "headers" in kw, where
             assert not any(isinstance(v, ast.Constant) and v.value is None for v in ast.walk(kw["timeout"])), where
         for node in ast.parse(src).body:
@@ -141,13 +143,13 @@ def test_clients_send_the_key_from_the_environment(fake, monkeypatch):
     server = fake("answer")
     mods = modules()
     monkeypatch.setenv("VLLM_API_KEY", "secret-1")
-    for name, m in mods.items():
+    for m in mods.values():
         m.post(server.url, "/generate", {"prompts": [[1]]})
-    mods["pipeline_actor"].server_version([server.url])  # its GET /runtime_version
+    mods[VERSION_READER].server_version([server.url])  # its GET /runtime_version
     assert len(server.seen) == len(mods) + 1
     assert all(h.get("authorization") == "Bearer secret-1" for _, h in server.seen), server.seen
     monkeypatch.delenv("VLLM_API_KEY")
-    for name, m in mods.items():
+    for m in mods.values():
         m.post(server.url, "/generate", {"prompts": [[1]]})
     assert not any("authorization" in h for _, h in server.seen[len(mods) + 1 :])
 
@@ -156,19 +158,21 @@ def test_a_silent_server_is_an_error_naming_the_route(fake):
     """A server that takes the request and never answers: post fails after its timeout (not retried: the server may
     be acting on it), naming the URL and the route."""
     server = fake("silent")
-    for name, m in modules().items():
-        err, took = within(10, lambda: m.post(server.url, "/init_communicator", {}, stream=True, timeout=1))
-        assert isinstance(err, RuntimeError), (name, err)
-        assert f"{server.url} did not answer /init_communicator within 1 s" in str(err), (name, err)
-        assert 1 <= took < 4, (name, took)
+    for script, m in modules().items():
+        post = functools.partial(m.post, server.url, "/init_communicator", {}, stream=True, timeout=1)
+        err, took = within(10, post)
+        assert isinstance(err, RuntimeError), (script, err)
+        assert f"{server.url} did not answer /init_communicator within 1 s" in str(err), (script, err)
+        assert 1 <= took < 4, (script, took)
 
 
-@pytest.mark.parametrize("name", STREAMING)
-def test_a_server_stalled_mid_push_is_an_error_naming_the_route(fake, name):
+@pytest.mark.parametrize("script", STREAMING)
+def test_a_server_stalled_mid_push_is_an_error_naming_the_route(fake, script):
     """The server sends the first line of /update_param_batch ("receiving"), then nothing: the script's real
     push_weights (its broadcasts replaced by no-ops) fails after the read timeout its sync state holds, with an error
     naming the URL and route. The old clients read the second line with no timeout at all."""
-    m, server = importlib.import_module(name), fake("first_line")
+    m = import_script(script)
+    server = fake("first_line")
     noop = SimpleNamespace(broadcast=lambda bufs, opts: SimpleNamespace(wait=lambda: None))
     sync = {
         "url": server.url,

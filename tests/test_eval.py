@@ -1,28 +1,25 @@
-"""eval.py: pass@k against its closed form and brute force, the grading of both tasks and of the strict
-<think> format, --help without torch, and the real script end to end against a real vllm_sync_server on CPU
-(tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here."""
+"""SCRIPT (the evaluation script): pass@k against its closed form and brute force, the grading of both tasks and of
+the strict <think> format, --help without torch, and the real script end to end against a real vllm_sync_server on
+CPU (tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here. A copy of the
+script is tested by changing SCRIPT."""
 
 import itertools
-import json
 import math
 import os
 import re
 import subprocess
-import sys
 import time
 from fractions import Fraction
 
 import pytest
 import requests
 
-from conftest import PY, ROOT, free_port, start_server, stop_server
+from conftest import FIXTURES, PY, ROOT, free_port, import_script, read_jsonl, run_ok, start_server, stop_server
 
-sys.path.insert(0, ROOT)
-import eval as E  # noqa: E402
-
-EVAL = os.path.join(ROOT, "eval.py")
-FIXTURES = os.path.join(ROOT, "tests", "fixtures")
-MATH500 = [json.loads(line) for line in open(os.path.join(FIXTURES, "math500", "test.jsonl"))]
+SCRIPT = "eval.py"
+E = import_script(SCRIPT)
+SCRIPT_PATH = os.path.join(ROOT, SCRIPT)
+MATH500 = read_jsonl(os.path.join(FIXTURES, "math500", "test.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,19 +154,27 @@ def test_grade_batch_passes_task_and_strict_format():
 # --help: fast, and before any heavy import
 def test_help_is_fast_and_imports_no_torch():
     t0 = time.time()
-    r = subprocess.run([PY, EVAL, "--help"], capture_output=True, text=True)
+    r = subprocess.run([PY, SCRIPT_PATH, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--strict-format" in r.stdout and "--grade-timeout-s" in r.stdout
     assert time.time() - t0 < 3
-    code = (
-        "import runpy, sys\nsys.argv = ['eval.py', '--help']\ntry:\n    runpy.run_path(%r, run_name='__main__')\n"
-        "except SystemExit:\n    pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'datasets', 'vllm', 'math_verify') if m in sys.modules))"
-    ) % EVAL
+    heavy = ("torch", "transformers", "datasets", "vllm", "math_verify")
+    code = "\n".join(
+        [
+            "import runpy, sys",
+            f"sys.argv = [{SCRIPT!r}, '--help']",
+            "try:",
+            f"    runpy.run_path({SCRIPT_PATH!r}, run_name='__main__')",
+            "except SystemExit:",
+            "    pass",
+            f"print('HEAVY', sorted(m for m in {heavy!r} if m in sys.modules))",
+        ]
+    )
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True)
     assert "HEAVY []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_greedy_with_several_samples_is_refused_before_any_work():
-    r = subprocess.run([PY, EVAL, "--n", "4", "--vllm-port", "1"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([PY, SCRIPT_PATH, "--n", "4", "--vllm-port", "1"], capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "--temperature > 0" in r.stderr
 
 
@@ -188,17 +193,10 @@ ROW = re.compile(r"^\s*[│|┃]\s*([\w@]+)\s*[│|┃]\s*([-+0-9.eE]+)\s*[│|�
 def run_eval(workdir, *args, out, timeout=600):
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    r = subprocess.run(
-        [PY, EVAL, *args],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    print(f"eval.py {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
-    lines = [json.loads(x) for x in open(os.path.join(workdir, out))]
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
+    r = run_ok([PY, SCRIPT_PATH, *args], cwd=workdir, timeout=timeout, env=env)
+    print(f"{SCRIPT} {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
+    lines = read_jsonl(os.path.join(workdir, out))
     printed = {
         m.group(1): float(m.group(2)) for m in map(ROW.match, re.sub(r"\x1b\[[0-9;]*m", "", r.stdout).splitlines()) if m
     }
@@ -228,18 +226,19 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
             len(row[k]) == n for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason")
         )
         for text, ext, ok, bad, tok, fin in zip(
-            *(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason"))
+            *(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason")),
+            strict=True,
         ):
             assert 0 <= tok <= max_tokens and (fin != "length" or tok == max_tokens)
-            assert ext == E.extract_answer(text, strict)
-            assert tuple(E.grade(text, row["gold"], task, strict)) == (
-                float(ok),
-                ok,
-                bad,
-            )  # graded as the script graded
+            assert ext == E.extract_answer(text, strict_format=strict)
+            graded = E.grade(text, row["gold"], task=task, strict_format=strict)
+            assert tuple(graded) == (float(ok), ok, bad)  # graded as the script graded
             assert not (ok and bad)
+
     # recompute every metric from the lines
-    flat = lambda key: [x for row in rows for x in row[key]]  # noqa: E731
+    def flat(key):  # one field's values over every sample of every problem
+        return [x for row in rows for x in row[key]]
+
     want = {
         "accuracy": sum(row["correct"][0] for row in rows) / limit,
         "correct_rate": sum(flat("correct")) / (limit * n),
@@ -257,7 +256,7 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
     assert "pass@1" in s and f"pass@{2 * ks[-1]}" not in s
     assert s["num_problems"] == limit and s["n"] == n and s["task"] == task and s["strict_format"] == strict
     assert "{question}" in s["template"] and all(
-        r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit))
+        r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit), strict=True)
     )
     return rows, s
 
@@ -265,7 +264,7 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
 def questions(task, limit):
     if task == "math500":
         return [r["problem"] for r in MATH500[:limit]]
-    return [json.loads(x)["question"] for x in open(os.path.join(FIXTURES, "gsm8k", "test.jsonl"))][:limit]
+    return [row["question"] for row in read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"))][:limit]
 
 
 def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):

@@ -1,23 +1,35 @@
-"""grpo_gsm8k.py: its math against naive references, and the real script end to end against a real
-vllm_sync_server on CPU (tiny model, GSM8K-schema fixtures)."""
+"""SCRIPT (GRPO on GSM8K): its math against naive references, and the real script end to end against a real
+vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the script is tested by changing SCRIPT."""
 
-import json
 import os
-import re
 import subprocess
-import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-import requests
 import torch
 
-from conftest import PY, ROOT, sha256, start_server, stop_server
+from conftest import (
+    FIXTURES,
+    GAP_PROMPTS,
+    PY,
+    ROOT,
+    assert_learned,
+    assert_seed_streams_distinct,
+    import_script,
+    load_weights,
+    max_abs_diff,
+    metrics_of,
+    naive_advantages,
+    read_jsonl,
+    run_ok,
+    server_matches,
+    worst_logprob_gap,
+)
 
-sys.path.insert(0, ROOT)
-import grpo_gsm8k as G  # noqa: E402
-
-FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+SCRIPT = "grpo_gsm8k.py"
+G = import_script(SCRIPT)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -46,16 +58,6 @@ def test_grade_known_completions():
 
 # ---------------------------------------------------------------------------------------------------
 # advantages and loss against naive per-element references
-def naive_advantages(rewards, g, scale):
-    out = []
-    for k in range(0, len(rewards), g):
-        grp = rewards[k : k + g]
-        mean = sum(grp) / g
-        std = (sum((x - mean) ** 2 for x in grp) / (g - 1)) ** 0.5
-        out += [(x - mean) / (std + 1e-4) if scale else x - mean for x in grp]
-    return out
-
-
 def test_group_advantages():
     r = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1])
     for scale in (True, False):
@@ -98,15 +100,14 @@ def test_policy_loss_against_naive(loss_type):
     mask = torch.ones(B, T)
     mask[1, 5:] = 0
     mask[3, 2:] = 0
-    L = lambda x: x.tolist()  # noqa: E731
-    for kw, nkw in [
+    for kw, naive_kw in [
         ({}, {}),
-        ({"ref_logprobs": ref, "beta": 0.1}, {"ref": L(ref), "beta": 0.1}),
-        ({"sampling_logprobs": samp, "tis_cap": 2.0}, {"samp": L(samp), "cap": 2.0}),
+        ({"ref_logprobs": ref, "beta": 0.1}, {"ref": ref.tolist(), "beta": 0.1}),
+        ({"sampling_logprobs": samp, "tis_cap": 2.0}, {"samp": samp.tolist(), "cap": 2.0}),
         ({"max_completion_length": 16}, {"lmax": 16}),
     ]:
-        got = G.policy_loss(lp, old, adv, mask, 0.2, 0.28, loss_type, **kw)
-        want = naive_loss(L(lp), L(old), L(adv), L(mask), 0.2, 0.28, loss_type, **nkw)
+        got = G.policy_loss(lp, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28, loss_type=loss_type, **kw)
+        want = naive_loss(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, loss_type, **naive_kw)
         assert abs(got.item() - want) < 1e-5, (kw.keys(), got.item(), want)
 
 
@@ -116,23 +117,21 @@ def test_clipping_edges_stop_the_gradient():
     old = torch.zeros(1, 4)
     lp = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])).requires_grad_()
     mask = torch.ones(1, 4)
-    G.policy_loss(lp, old, torch.tensor([1.0]), mask, 0.2, 0.3, "dapo").backward()
+    clip = {"clip_eps_low": 0.2, "clip_eps_high": 0.3, "loss_type": "dapo"}
+    G.policy_loss(lp, old, torch.tensor([1.0]), mask, **clip).backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0 and lp.grad[0, 2] != 0
     lp.grad = None
-    G.policy_loss(lp, old, torch.tensor([-1.0]), mask, 0.2, 0.3, "dapo").backward()
+    G.policy_loss(lp, old, torch.tensor([-1.0]), mask, **clip).backward()
     assert lp.grad[0, 2] == 0 and lp.grad[0, 3] != 0 and lp.grad[0, 0] != 0
     stats = {}
-    G.policy_loss(lp, old, torch.tensor([1.0]), mask, 0.2, 0.3, "dapo", stats=stats)
+    G.policy_loss(lp, old, torch.tensor([1.0]), mask, **clip, stats=stats)
     assert stats["clipped_tokens"] == 2  # 1.5 > 1.3 and 0.5 < 0.8
 
 
 def test_rollout_seeds_are_distinct_by_construction():
     """vLLM seeds sample j of a request with seed + j: requests spaced by the group size never share a stream, over
     prompts and steps (the prompt index counts on across steps), and evaluation draws from another range."""
-    for group_size in (1, 4, 8):
-        train = [G.rollout_seed(2, k, group_size) + j for k in range(200) for j in range(group_size)]
-        evals = [G.eval_seed(2, i) for i in range(200)]
-        assert len(set(train + evals)) == len(train) + len(evals)
+    assert_seed_streams_distinct(G)
     assert G.rollout_seed(2, 0, 8) != G.rollout_seed(3, 0, 8)  # another --seed, other streams
     assert max(G.rollout_seed(2**23 - 1, 10**9, 64), G.eval_seed(2**23 - 1, 10**9)) < 2**63
 
@@ -145,7 +144,8 @@ def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_
     launched = []
 
     class Exited:  # the launch is recorded, then the "server" exits at once
-        pid, returncode = 0, 1
+        pid = 0
+        returncode = 1
 
         def __init__(self, cmd, env, **kw):
             launched.append(env["CUDA_VISIBLE_DEVICES"])
@@ -177,30 +177,19 @@ def test_pack_micro_batches():
 
 
 # ---------------------------------------------------------------------------------------------------
-# the real script against the real server
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A toy task the tiny model can learn on CPU: every gold answer is 7 and `\\boxed{7}` is one token of a
-    128-token vocabulary, so a random policy is right ~5% of the time and gradients are not all zero."""
-    from tiny_model import build_tiny_model
-
-    model = build_tiny_model(str(tmp_path_factory.mktemp("toy") / "toy"), vocab_size=128, byte_alphabet=False)
-    proc, url = start_server(model, str(tmp_path_factory.mktemp("toy_server") / "server.log"))
-    yield url, model
-    stop_server(proc)
-
-
+# the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
 def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
-    port = url.rsplit(":", 1)[1]
+    """The script in `workdir` against the server at `url`: one small step's worth of rollouts by default. Returns
+    its stdout and its metrics (one dict per step)."""
     cmd = [
         PY,
-        os.path.join(ROOT, "grpo_gsm8k.py"),
+        os.path.join(ROOT, SCRIPT),
         "--model",
         model,
         "--dataset",
         os.path.join(FIXTURES, dataset),
         "--vllm-port",
-        port,
+        url.rsplit(":", 1)[1],
         "--max-completion-tokens",
         "16",
         "--rollouts-per-update",
@@ -218,73 +207,100 @@ def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
         *extra,
     ]
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    metrics = [
-        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-        for line in r.stdout.splitlines()
-        if re.match(r"step \d+: ", line)
-    ]
-    return r.stdout, metrics
-
-
-def load_weights(path):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
+    r = run_ok(cmd, cwd=workdir, timeout=timeout)
+    return r.stdout, metrics_of(r.stdout)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
     """The trainer's fp32 logprobs of sampled tokens, computed the way training computes them (packed
-    micro-batches, chunked lm_head, the sampling temperature), equal the server's for the same weights."""
+    micro-batches, chunked lm_head, the sampling temperature), equal the server's for the same weights, pushed and
+    sampled with the script's own client."""
     from transformers import AutoModelForCausalLM
 
-    server, path = toy
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    sync = G.init_weight_sync(server, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(toy.model, dtype=torch.float32)
+    sync = G.init_weight_sync(toy.url, torch.device("cpu"))
     G.push_weights(sync, model, version=100)  # the server may hold another test's weights
-    prompts = [[5, 17, 33, 2, 91], [44, 8, 120, 7, 7, 7, 7, 9], [3]]
-    seeds = [G.rollout_seed(0, i, 4) for i in range(len(prompts))]
-    results = G.generate(server, prompts, n=4, temperature=temperature, max_tokens=24, concurrency=4, seeds=seeds)
-    seqs, n_prompt, server_lp = [], [], []
-    for p, res in zip(prompts, results):
-        for c in res["completions"]:
-            seqs.append(p + c["token_ids"])
-            n_prompt.append(len(p))
-            server_lp.append(c["logprobs"])
-    worst = 0.0
-    for idx in G.pack_micro_batches([len(s) for s in seqs], 64):  # small budget: several micro-batches
-        ids, attn, mask, at = G.micro_batch(seqs, n_prompt, idx, pad_id=0, device=torch.device("cpu"))
-        with torch.no_grad():
-            flat = G.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)  # several lm_head blocks
-        want = torch.tensor([x for i in idx for x in server_lp[i]])
-        worst = max(worst, (flat - want).abs().max().item())
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+    results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=temperature, max_tokens=24, concurrency=4, seeds=seeds)
+    worst = worst_logprob_gap(G, model, GAP_PROMPTS, results, temperature)
     assert worst < 1e-4, worst
 
 
-def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
-    server, tiny_model = toy
-    # A: 2 steps, tiny micro-batches, a checkpoint every step, every push verified by checksum; sampling at
-    # temperature 0.7, so the trainer's logprobs must follow the temperature to agree with the sampler's
-    hot = ("--train-temperature", "0.7")
-    out, m = run_script(
-        server,
-        tmp_path / "A",
+# Runs A (2 steps), B (A resumed for a third) and C (3 steps straight) are shared by the tests below through
+# module-scoped fixtures: each runs once, whichever tests ask for it.
+HOT = ("--train-temperature", "0.7")  # sampling at 0.7: the trainer's logprobs must follow it to agree with vLLM's
+TINY_MICRO_BATCHES = ("--micro-token-budget", "48")  # several micro-batches per step
+
+
+class RunA(NamedTuple):
+    workdir: Path
+    metrics: list[dict]
+    rollouts: list[dict]  # its rollout log, read before run B appends to it
+    server_matched_step_2: bool  # the server held exactly step 2's weights when the run ended
+
+
+@pytest.fixture(scope="module")
+def run_a(toy, tmp_path_factory) -> RunA:
+    """Run A: 2 steps, tiny micro-batches, a checkpoint every step, every push verified by checksum (--verify-sync),
+    an evaluation at step 2, sampling at temperature 0.7. What a later run changes (the rollout log, the server's
+    weights) is read right after it."""
+    workdir = tmp_path_factory.mktemp("A")
+    _, m = run_script(
+        toy.url,
+        workdir,
         "--train-steps",
         "2",
         "--save-every",
         "1",
         "--verify-sync",
-        "--micro-token-budget",
-        "48",
+        *TINY_MICRO_BATCHES,
         "--eval-every",
         "2",
         "--eval-limit",
         "4",
-        *hot,
-        model=tiny_model,
+        *HOT,
+        model=toy.model,
     )
+    return RunA(
+        workdir=workdir,
+        metrics=m,
+        rollouts=read_jsonl(workdir / "gsm8k_train_rollouts.jsonl"),
+        server_matched_step_2=server_matches(toy.url, workdir / "ckpt" / "step_2"),
+    )
+
+
+class RunB(NamedTuple):
+    workdir: Path  # run A's, now with a step_3 checkpoint
+    stdout: str
+    metrics: list[dict]
+    seeds: list[int]  # the seed of every sample of A and B, from the rollout log
+
+
+@pytest.fixture(scope="module")
+def run_b(toy, run_a) -> RunB:
+    """Run B: run A resumed in its own directory for one more step (3 in all), as A ran."""
+    out, m = run_script(
+        toy.url,
+        run_a.workdir,
+        "--train-steps",
+        "3",
+        "--save-every",
+        "1",
+        *TINY_MICRO_BATCHES,
+        "--resume",
+        *HOT,
+        model=toy.model,
+    )
+    seeds = [row["seed"] for row in read_jsonl(run_a.workdir / "gsm8k_train_rollouts.jsonl")]
+    return RunB(workdir=run_a.workdir, stdout=out, metrics=m, seeds=seeds)
+
+
+def test_two_steps_log_checkpoint_and_sync(run_a):
+    """Run A logs every metric at every step (and the evaluation at step 2), its trainer's logprobs agree with the
+    sampler's at temperature 0.7, its rollout log holds every sample, the server ends with exactly the weights of
+    its last checkpoint, and that checkpoint loads in transformers as it is."""
+    m = run_a.metrics
     assert [int(x["version"]) for x in m] == [1, 2] and "eval/accuracy" in m[1]
     for key in (
         "loss",
@@ -302,84 +318,77 @@ def test_end_to_end_checkpoint_resume_and_split_invariance(toy, tmp_path):
     ):
         assert key in m[0], key
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # the trainer agrees with the sampler
-    rollouts = [json.loads(x) for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
+    rollouts = run_a.rollouts
     assert len(rollouts) == 2 * 64 and {"completion", "reward", "advantage", "versions"} <= set(rollouts[0])
-    # the server computes with exactly the weights of the last checkpoint
-    ckpt2 = tmp_path / "A" / "ckpt" / "step_2"
-    w2 = load_weights(ckpt2)
-    got = requests.get(server + "/weights_checksum").json()["checksums"]
-    w2.setdefault("lm_head.weight", w2["model.embed_tokens.weight"])
-    assert all(got[k] == sha256(w2[k]) for k in got)
-    # the checkpoint loads in transformers as it is
+    assert run_a.server_matched_step_2
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(ckpt2)
+    AutoModelForCausalLM.from_pretrained(run_a.workdir / "ckpt" / "step_2")
 
-    # B: resume A for one more step; C: the same 3 steps straight. Identical weights: resume restores
-    # the step, the data position, the RNG and the optimizer state (Adam's moments change the update)
-    out, m = run_script(
-        server,
-        tmp_path / "A",
+
+def test_resume_continues_at_the_saved_step(run_b):
+    """Run B (run A resumed) starts at step 3 from A's last checkpoint, and every sample of A and B, over prompts,
+    samples, steps and the resume, drew its own random stream."""
+    assert "resumed from ckpt/step_2 at step 2" in run_b.stdout and [x["version"] for x in run_b.metrics] == ["3"]
+    assert len(run_b.seeds) == 3 * 64 and len(set(run_b.seeds)) == len(run_b.seeds)
+
+
+def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
+    """Run B's step-3 weights equal those of run C, the same 3 steps straight: resuming restores the step, the data
+    position, the RNG and the optimizer state (Adam's moments change the update). And step 3 did move the weights."""
+    run_script(
+        toy.url,
+        tmp_path,
         "--train-steps",
         "3",
         "--save-every",
         "1",
-        "--micro-token-budget",
-        "48",
-        "--resume",
-        *hot,
-        model=tiny_model,
+        *TINY_MICRO_BATCHES,
+        *HOT,
+        model=toy.model,
     )
-    assert "resumed from ckpt/step_2 at step 2" in out and [x["version"] for x in m] == ["3"]
-    # every sample of the run, over prompts, samples, steps and the resume, drew its own random stream
-    seeds = [json.loads(x)["seed"] for x in open(tmp_path / "A" / "gsm8k_train_rollouts.jsonl")]
-    assert len(seeds) == 3 * 64 and len(set(seeds)) == len(seeds)
-    _, m = run_script(
-        server,
-        tmp_path / "C",
-        "--train-steps",
-        "3",
-        "--save-every",
-        "1",
-        "--micro-token-budget",
-        "48",
-        *hot,
-        model=tiny_model,
-    )
-    a3, c3 = load_weights(tmp_path / "A" / "ckpt" / "step_3"), load_weights(tmp_path / "C" / "ckpt" / "step_3")
-    assert max((a3[k] - c3[k]).abs().max().item() for k in a3) < 1e-6
-    assert max((a3[k] - w2[k]).abs().max().item() for k in a3) > 1e-4  # and the step did change the weights
+    resumed = load_weights(run_b.workdir / "ckpt" / "step_3")
+    straight = load_weights(tmp_path / "ckpt" / "step_3")
+    before = load_weights(run_b.workdir / "ckpt" / "step_2")
+    assert max_abs_diff(resumed, straight) < 1e-6
+    assert max_abs_diff(resumed, before) > 1e-4
 
-    # D: step 1 with one big micro-batch equals step 1 with tiny ones (the loss normalisation does not
-    # depend on the split), for every loss type. 128 samples: some are right, so the gradient is not zero
-    for loss_type in ("grpo", "dapo", "dr_grpo"):
-        runs, logged = {}, {}
-        for budget in ("48", "100000"):
-            d = tmp_path / f"D_{loss_type}_{budget}"
-            _, m = run_script(
-                server,
-                d,
-                "--train-steps",
-                "1",
-                "--save-every",
-                "1",
-                "--micro-token-budget",
-                budget,
-                "--loss-type",
-                loss_type,
-                "--rollouts-per-update",
-                "16",
-                model=tiny_model,
-            )
-            runs[budget], logged[budget] = load_weights(d / "ckpt" / "step_1"), m[0]
-        # the gradient's size (Adam's first step would hide a uniform scaling error) ...
-        g_small, g_big = float(logged["48"]["grad_norm"]), float(logged["100000"]["grad_norm"])
-        assert g_big > 0 and abs(g_small - g_big) < 1e-4 * g_big, (loss_type, g_small, g_big)
-        # ... and its direction: the same update (Adam amplifies float noise of near-zero gradients a bit)
-        base = load_weights(os.path.join(tiny_model))
-        diff = max((runs["48"][k] - runs["100000"][k]).abs().max().item() for k in base)
-        moved = max((runs["48"][k] - base[k]).abs().max().item() for k in base)
-        assert diff < 1e-2 * moved, (loss_type, diff, moved)
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batch_split_does_not_change_the_step(toy, tmp_path, loss_type):
+    """Step 1 with one big micro-batch equals step 1 with tiny ones (the loss normalisation does not depend on the
+    split), for every loss type: the same gradient norm and the same update. 128 samples: some are right, so the
+    gradient is not zero."""
+    weights = {}
+    logged = {}
+    for budget in ("48", "100000"):
+        workdir = tmp_path / budget
+        _, m = run_script(
+            toy.url,
+            workdir,
+            "--train-steps",
+            "1",
+            "--save-every",
+            "1",
+            "--micro-token-budget",
+            budget,
+            "--loss-type",
+            loss_type,
+            "--rollouts-per-update",
+            "16",
+            model=toy.model,
+        )
+        weights[budget] = load_weights(workdir / "ckpt" / "step_1")
+        logged[budget] = m[0]
+    # the gradient's size (Adam's first step would hide a uniform scaling error) ...
+    g_small = float(logged["48"]["grad_norm"])
+    g_big = float(logged["100000"]["grad_norm"])
+    assert g_big > 0 and abs(g_small - g_big) < 1e-4 * g_big, (loss_type, g_small, g_big)
+    # ... and its direction: the same update (Adam amplifies float noise of near-zero gradients a bit)
+    base = load_weights(toy.model)
+    diff = max_abs_diff(weights["48"], weights["100000"])
+    moved = max_abs_diff(weights["48"], base)
+    assert diff < 1e-2 * moved, (loss_type, diff, moved)
 
 
 def test_resume_a_state_saved_on_another_gpu(toy, tmp_path):
@@ -415,12 +424,11 @@ def test_learning_on_toy_task(toy, tmp_path, seed):
     url, model = toy
     _, m = run_script(url, tmp_path, "--train-steps", "20", "--save-every", "100", "--seed", str(seed), model=model)
     rewards = [float(x["reward"]) for x in m]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[15:]) / 5
     print("rewards", rewards)
-    assert last > first + 0.3 and last > 0.5, rewards
+    assert_learned(rewards)
 
 
 def test_help_is_fast():
     t0 = time.time()
-    r = subprocess.run([PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--help"], capture_output=True, text=True)
+    r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3

@@ -1,7 +1,9 @@
-"""pipeline_actor.py + pipeline_learner.py: unit checks of the record decoder and the loss, then the real scripts as
-separate processes against a real redis-server (started here on a free port) and real vllm_sync_server.py servers
-on CPU (the toy model of test_grpo_gsm8k.py: 128 tokens, every gold answer 7)."""
+"""ACTOR and LEARNER (pipeline RL: actors sample into a Redis queue, a learner trains on it): unit checks of the
+record decoder and the loss, then the real scripts as separate processes against a real redis-server (started here
+on a free port) and real vllm_sync_server.py servers on CPU (conftest's toy model: 128 tokens, every gold answer 7).
+A copy of the pair is tested by changing ACTOR and LEARNER."""
 
+import itertools
 import json
 import math
 import os
@@ -10,9 +12,10 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import msgpack
 import pytest
@@ -20,36 +23,38 @@ import redis
 import requests
 import torch
 
-from conftest import PY, ROOT, SERVER_LOGS, free_port, logprob_gap, sha256, start_server, stop_server
+from conftest import (
+    FIXTURES,
+    PY,
+    ROOT,
+    SERVER_LOGS,
+    assert_learned,
+    free_port,
+    import_script,
+    log_tail,
+    logprob_gap,
+    metrics_of,
+    read_jsonl,
+    run_ok,
+    server_matches,
+    start_logged,
+)
 
-sys.path.insert(0, ROOT)
-import pipeline_actor as A  # noqa: E402
-import pipeline_learner as L  # noqa: E402
-
-TOY = os.path.join(ROOT, "tests", "fixtures", "gsm8k_toy")
+ACTOR = "pipeline_actor.py"
+LEARNER = "pipeline_learner.py"
+A = import_script(ACTOR)
+L = import_script(LEARNER)
+TOY = os.path.join(FIXTURES, "gsm8k_toy")
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)"
 )
 
 
 # ---------------------------------------------------------------------------------------------------
-# fixtures: one redis-server and one toy-model server for the whole module
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    from tiny_model import build_tiny_model
-
-    model = build_tiny_model(str(tmp_path_factory.mktemp("toy") / "toy"), vocab_size=128, byte_alphabet=False)
-    proc, url = start_server(model, str(tmp_path_factory.mktemp("toy_server") / "server.log"))
-    yield url, model
-    stop_server(proc)
-
-
+# fixtures: one redis-server for the whole module (and conftest's `toy`: one toy-model server for it)
 def start_redis(port: int, log_path: str):
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-    )
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = start_logged(cmd, log_path)
     client = redis.Redis(port=port)
     for _ in range(100):
         try:
@@ -58,14 +63,19 @@ def start_redis(port: int, log_path: str):
         except redis.ConnectionError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("redis-server did not start: " + open(log_path).read())
+    raise RuntimeError("redis-server did not start: " + Path(log_path).read_text())
+
+
+class Redis(NamedTuple):
+    url: str
+    client: redis.Redis
 
 
 @pytest.fixture(scope="module")
-def rds(tmp_path_factory):
+def rds(tmp_path_factory) -> Redis:
     port = free_port()
     proc = start_redis(port, str(tmp_path_factory.mktemp("redis") / "redis.log"))
-    yield f"redis://127.0.0.1:{port}/0", redis.Redis(port=port)
+    yield Redis(url=f"redis://127.0.0.1:{port}/0", client=redis.Redis(port=port))
     proc.terminate()
     proc.wait(10)
 
@@ -75,7 +85,7 @@ def rds(tmp_path_factory):
 def actor_cmd(urls, redis_url, key, *extra):
     return [
         PY,
-        os.path.join(ROOT, "pipeline_actor.py"),
+        os.path.join(ROOT, ACTOR),
         "--redis-url",
         redis_url,
         "--queue-key",
@@ -96,13 +106,7 @@ def actor_cmd(urls, redis_url, key, *extra):
 
 def start_actor(urls, redis_url, key, log_path, *extra):
     """An actor in its own process group (with its grading workers), killed by kill_actor."""
-    return subprocess.Popen(
-        actor_cmd(urls, redis_url, key, *extra),
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    return start_logged(actor_cmd(urls, redis_url, key, *extra), log_path, cwd=ROOT, start_new_session=True)
 
 
 def kill_actor(proc, sig=signal.SIGKILL):
@@ -113,23 +117,16 @@ def kill_actor(proc, sig=signal.SIGKILL):
 
 def prefill(urls, redis_url, key, actor_id, groups, tmp_path, *extra):
     """Run an actor to completion with no learner: `groups` x 8 records of the servers' current version."""
-    r = subprocess.run(
-        actor_cmd(
-            urls, redis_url, key, "--actor-id", actor_id, "--max-steps", str(groups), "--max-lag", "1000", *extra
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    cmd = actor_cmd(
+        urls, redis_url, key, "--actor-id", actor_id, "--max-steps", str(groups), "--max-lag", "1000", *extra
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
+    return run_ok(cmd, cwd=tmp_path, timeout=300).stdout
 
 
 def learner_cmd(urls, model, redis_url, key, *extra):
     return [
         PY,
-        os.path.join(ROOT, "pipeline_learner.py"),
+        os.path.join(ROOT, LEARNER),
         "--model",
         model,
         "--redis-url",
@@ -150,40 +147,20 @@ def learner_cmd(urls, model, redis_url, key, *extra):
 
 def run_learner(urls, model, redis_url, key, workdir, *extra, timeout=600):
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(
-        learner_cmd(urls, model, redis_url, key, *extra), cwd=workdir, capture_output=True, text=True, timeout=timeout
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    r = run_ok(learner_cmd(urls, model, redis_url, key, *extra), cwd=workdir, timeout=timeout)
     return r.stdout, metrics_of(r.stdout)
 
 
 def wait_for(log_path, text: str, proc, timeout: float = 300) -> None:
     """Wait until `text` appears in the log of the running process `proc`."""
     deadline = time.time() + timeout
-    while text not in open(log_path).read():
-        assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+    while text not in Path(log_path).read_text():
+        assert proc.poll() is None and time.time() < deadline, log_tail(log_path)
         time.sleep(0.2)
 
 
-def metrics_of(stdout: str) -> list[dict]:
-    return [
-        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-        for line in stdout.splitlines()
-        if re.match(r"step \d+: ", line)
-    ]
-
-
 def rollouts(workdir) -> list[dict]:
-    return [json.loads(x) for x in open(os.path.join(workdir, "rollouts.jsonl"))]
-
-
-def server_matches(url, ckpt_dir) -> bool:
-    from safetensors.torch import load_file
-
-    w = load_file(os.path.join(ckpt_dir, "model.safetensors"))
-    w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
-    got = requests.get(url + "/weights_checksum").json()["checksums"]
-    return set(got) == set(w) and all(got[k] == sha256(w[k]) for k in got)
+    return read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
 
 
 def record(**over) -> dict:
@@ -205,7 +182,7 @@ def record(**over) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # unit checks (no server)
 def test_help_is_fast_and_record_format_is_the_same_in_both_files():
-    for script in ("pipeline_actor.py", "pipeline_learner.py"):
+    for script in (ACTOR, LEARNER):
         t0 = time.time()
         r = subprocess.run([PY, os.path.join(ROOT, script), "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "--redis-url" in r.stdout and time.time() - t0 < 3, script
@@ -257,25 +234,26 @@ def test_group_advantages_match_grpo():
     for scale in (True, False):
         want = G.group_advantages(torch.tensor(rewards), 4, scale).tolist()
         got = [a for k in range(0, 12, 4) for a in A.group_advantages(rewards[k : k + 4], scale)]
-        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-6
+        assert max(abs(x - y) for x, y in zip(got, want, strict=True)) < 1e-6
 
 
 def test_policy_loss_is_importance_weighted():
     """On fresh data (pi = mu) both losses give REINFORCE's gradient; on stale data ppo's gradient is r A / T per
     token inside the clip range and 0 outside it, tis's is min(r, cap) A / T."""
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.9]])).requires_grad_()
-    mask, adv = torch.ones(1, 4), torch.tensor([2.0])
+    mask = torch.ones(1, 4)
+    adv = torch.tensor([2.0])
     for loss in ("ppo", "tis"):
-        L.policy_loss(lp, lp.detach(), adv, mask, loss).backward()
+        L.policy_loss(lp, lp.detach(), adv, mask, loss=loss).backward()
         assert torch.allclose(lp.grad, torch.full((1, 4), -2.0 / 4)), loss
         lp.grad = None
     mu = lp.detach() - torch.log(torch.tensor([[1.1, 1.5, 3.0, 0.5]]))  # r = 1.1, 1.5, 3.0, 0.5
     stats = {}
-    L.policy_loss(lp, mu, adv, mask, "ppo", 0.2, 0.2, stats=stats).backward()
+    L.policy_loss(lp, mu, adv, mask, loss="ppo", clip_eps_low=0.2, clip_eps_high=0.2, stats=stats).backward()
     assert torch.allclose(lp.grad, torch.tensor([[-1.1 * 2 / 4, 0, 0, -0.5 * 2 / 4]]))
     assert stats["clipped_tokens"] == 2 and math.isclose(stats["ratio_sum"], 6.1, rel_tol=1e-5)
     lp.grad = None
-    L.policy_loss(lp, mu, adv, mask, "tis", tis_cap=2.0).backward()
+    L.policy_loss(lp, mu, adv, mask, loss="tis", tis_cap=2.0).backward()
     assert torch.allclose(lp.grad, torch.tensor([[-1.1, -1.5, -2.0, -0.5]]) * 2 / 4)
 
 
@@ -287,12 +265,13 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
     paused and resumed, not dropped; --resume pushes the checkpoint first. (Where a push lands inside a request
     depends on this machine's speed: test_server.py's test_full_and_partial_push checks that case as such.)"""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     v_start = requests.get(url + "/runtime_version").json()["version"]
     actor = start_actor(
         [url], redis_url, "e2e", tmp_path / "actor.log", "--records-per-version", "16", "--max-lag", "2"
     )
-    long_runs, stop = [], threading.Event()
+    long_runs = []  # the long requests' completions
+    stop = threading.Event()
 
     def long_requests():  # a bounded number of long requests while the learner pushes: a server decoding nonstop
         for _ in range(3):  # would starve the actor and the learner of the two cores
@@ -304,7 +283,7 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
             long_runs.append(res.json()["results"][0]["completions"][0])
 
     thread = threading.Thread(target=long_requests, daemon=True)
-    learner = subprocess.Popen(
+    learner = start_logged(
         learner_cmd(
             [url],
             model,
@@ -320,19 +299,18 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
             "--save-every",
             "1",
         ),
+        tmp_path / "learner.log",
         cwd=tmp_path,
-        stdout=open(tmp_path / "learner.log", "w"),
-        stderr=subprocess.STDOUT,
     )
     try:
         # from just before the learner's first push, not earlier: a server decoding nonstop slows the learner's
         # start-up many times over on a 2-core machine. A push lands in a long request, and the requests stop.
         wait_for(tmp_path / "learner.log", "joining the workers", learner)
         thread.start()
-        assert learner.wait(300) == 0, open(tmp_path / "learner.log").read()[-3000:]
+        assert learner.wait(300) == 0, log_tail(tmp_path / "learner.log")
         stop.set()
         thread.join()
-        m = metrics_of(open(tmp_path / "learner.log").read())
+        m = metrics_of((tmp_path / "learner.log").read_text())
         versions = [int(x["version"]) for x in m]
         assert len(m) == 3 and versions == [v_start + 2, v_start + 3, v_start + 4], (v_start, versions)
         for key in (
@@ -356,7 +334,8 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
         for c in long_runs:
             spans = c["version_spans"]
             assert spans[0]["start"] == 0 and spans[-1]["end"] == 300, spans
-            assert all(a["end"] == b["start"] and a["version"] < b["version"] for a, b in zip(spans, spans[1:])), spans
+            pairs = list(itertools.pairwise(spans))
+            assert all(a["end"] == b["start"] and a["version"] < b["version"] for a, b in pairs), spans
         assert requests.get(url + "/runtime_version").json()["version"] == versions[-1]
         assert server_matches(url, tmp_path / "ckpt" / "step_3")
         out, m = run_learner(
@@ -383,14 +362,14 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
         kill_actor(actor)
         if learner.poll() is None:
             learner.kill()
-    assert "Traceback" not in open(tmp_path / "actor.log").read()
+    assert "Traceback" not in (tmp_path / "actor.log").read_text()
 
 
 def test_max_lag_drops_stale_records(toy, rds, tmp_path):
     """2. A large --max-lag trains on records generated before the learner's first push; --max-lag 0 drops all of
     them, trains only on records of its current version, and counts the drops in the log and the metrics."""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     prefill([url], redis_url, "lag", "old", 2, tmp_path)
     _, m = run_learner(
         [url],
@@ -464,38 +443,37 @@ def test_actor_killed_and_restarted(toy, rds, tmp_path):
     """3. The actor dies (SIGKILL) mid-run and a new one starts: the learner keeps training, and every record that
     reached Redis is popped by the learner or still queued (the actor's pushed counter is atomic with its RPUSH)."""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     extra = ("--records-per-version", "16", "--max-lag", "0")  # a1 is at most 64 records ahead: a2 must supply the rest
     os.makedirs(tmp_path / "L")
-    learner = subprocess.Popen(
+    learner = start_logged(
         learner_cmd([url], model, redis_url, "kill", "--train-steps", "6", "--batch-size", "16", "--max-lag", "1000"),
+        tmp_path / "learner.log",
         cwd=tmp_path / "L",
-        stdout=open(tmp_path / "learner.log", "w"),
-        stderr=subprocess.STDOUT,
     )
     actor = start_actor([url], redis_url, "kill", tmp_path / "a1.log", "--actor-id", "a1", *extra)
     try:
         wait_for(tmp_path / "learner.log", "step 2:", learner)
         kill_actor(actor)
         actor = start_actor([url], redis_url, "kill", tmp_path / "a2.log", "--actor-id", "a2", *extra)
-        assert learner.wait(300) == 0, open(tmp_path / "learner.log").read()[-3000:]
+        assert learner.wait(300) == 0, log_tail(tmp_path / "learner.log")
     finally:
         kill_actor(actor)
         if learner.poll() is None:
             learner.kill()
-    m = metrics_of(open(tmp_path / "learner.log").read())
+    m = metrics_of((tmp_path / "learner.log").read_text())
     rows = rollouts(tmp_path / "L")
     ids = [x["id"] for x in rows]
     assert len(m) == 6 and len(set(ids)) == len(ids)
     assert any(i.startswith("a1/") for i in ids) and any(i.startswith("a2/") for i in ids)
-    assert int(r.get("kill:pushed")) == len(rows) + r.llen("kill")
+    assert int(rds.client.get("kill:pushed")) == len(rows) + rds.client.llen("kill")
 
 
 def test_bad_records_are_rejected(toy, rds, tmp_path):
     """4. Records that are not JSON/msgpack, lack fields or hold bad values are rejected with a logged reason; a
     pickle is never unpickled; the learner trains on the good records around them."""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -512,7 +490,7 @@ def test_bad_records_are_rejected(toy, rds, tmp_path):
         msgpack.packb(record(temperature=0.6)),
     ]
     good = [msgpack.packb(record(id=f"good/{i}")) for i in range(8)]
-    r.rpush("bad", *(bad[:3] + good[:4] + bad[3:] + good[4:]))
+    rds.client.rpush("bad", *(bad[:3] + good[:4] + bad[3:] + good[4:]))
     out, m = run_learner(
         [url], model, redis_url, "bad", tmp_path, "--train-steps", "1", "--batch-size", "8", "--max-lag", "1000000"
     )
@@ -526,7 +504,7 @@ def test_bad_records_are_rejected(toy, rds, tmp_path):
 def test_learning_on_toy_task(toy, rds, tmp_path):
     """5. Pipeline RL pushes the toy task's mean reward up within 20 steps, one version of lag allowed."""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     actor = start_actor(
         [url],
         redis_url,
@@ -558,7 +536,6 @@ def test_learning_on_toy_task(toy, rds, tmp_path):
     finally:
         kill_actor(actor)
     rewards = [float(x["reward"]) for x in m]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[15:]) / 5
     print(
         "rewards",
         rewards,
@@ -569,7 +546,7 @@ def test_learning_on_toy_task(toy, rds, tmp_path):
         "sync_s",
         [x["sync_s"] for x in m],
     )
-    assert last > first + 0.3 and last > 0.5, rewards
+    assert_learned(rewards)
 
 
 def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_server, tmp_path):
@@ -577,9 +554,9 @@ def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_
     learner sizes the group from the servers' /health (ranks 1, then 2-3); both serve generation and both hold the
     learner's weights, with the same version, after every push."""
     url, model = toy
-    redis_url, r = rds
+    redis_url = rds.url
     url2 = tp2_server
-    served_before = open(SERVER_LOGS[url2]).read().count("POST /generate")
+    served_before = Path(SERVER_LOGS[url2]).read_text().count("POST /generate")
     actor = start_actor(
         [url, url2],
         redis_url,
@@ -616,7 +593,9 @@ def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_
         assert server_matches(url, tmp_path / "ckpt" / "step_2") and server_matches(url2, tmp_path / "ckpt" / "step_2")
         assert requests.get(url2 + "/runtime_version").json()["communicator"]["ranks"] == [2, 3]
         kill_actor(actor)
-        assert open(SERVER_LOGS[url2]).read().count("POST /generate") > served_before  # the actor used both servers
+        assert (
+            Path(SERVER_LOGS[url2]).read_text().count("POST /generate") > served_before
+        )  # the actor used both servers
         assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m  # the TP server samples the learner's policy
     finally:
         kill_actor(actor)
@@ -631,7 +610,7 @@ def test_actor_waits_for_redis(toy, tmp_path):
     try:
         wait_for(tmp_path / "actor.log", "is not reachable", actor)
         proc = start_redis(port, str(tmp_path / "redis.log"))
-        assert actor.wait(120) == 0, open(tmp_path / "actor.log").read()[-3000:]
+        assert actor.wait(120) == 0, log_tail(tmp_path / "actor.log")
         assert redis.Redis(port=port).llen("late") == 8
     finally:
         kill_actor(actor)

@@ -4,17 +4,18 @@ grader). The data lives beside the repository in ../shared/data (never copied in
 Grading goes through each script's grade_batch (2 workers): a few seconds per pass over a whole set.
 """
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-GSM8K, MATH500 = DATA / "gsm8k_test.jsonl", DATA / "math500_test.jsonl"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from conftest import ROOT, import_script
+
+SCRIPTS = ["grpo_gsm8k.py", "pipeline_actor.py", "eval.py"]  # the scripts that grade GSM8K, each checked alone
+EVAL = "eval.py"  # its loader and grader take the task: it grades MATH-500 too
+MATH_TRAINER = "reinforce_math_fsdp2.py"  # the script that trains on MATH (its gold: a row's solution)
+DATA = Path(ROOT).parent / "shared" / "data"
+GSM8K = DATA / "gsm8k_test.jsonl"
+MATH500 = DATA / "math500_test.jsonl"
 
 
 def _need(path: Path):
@@ -49,19 +50,19 @@ def _gsm8k_forms(number: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("module", ["grpo_gsm8k", "pipeline_actor", "eval"])
-def test_gsm8k_every_row(module, tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_gsm8k_every_row(script, tmp_path):
     _need(GSM8K)
-    m = importlib.import_module(module)
+    m = import_script(script)
     directory = _as_test_split(GSM8K, tmp_path)
-    rows = m.load_split(directory, "test", "gsm8k") if module == "eval" else m.load_split(directory, "test")
+    rows = m.load_split(directory, "test", "gsm8k") if script == EVAL else m.load_split(directory, "test")
     assert len(rows) == 1319 and all(set(r) >= {"question", "answer"} for r in rows)
     golds = [r["answer"] for r in rows]  # the raw field, as each script hands it to grade_batch
     numbers = [g.split("####")[-1].strip() for g in golds]
     assert all(n.replace(",", "").lstrip("-").isdigit() for n in numbers)
-    if module == "eval":  # eval.py's own gold extraction agrees with the '####' number
+    if script == EVAL:  # its own gold extraction agrees with the '####' number
         assert [m.gold_answer(g, "gsm8k") for g in golds] == [n.replace(",", "") for n in numbers]
-    kw = {"task": "gsm8k"} if module == "eval" else {}
+    kw = {"task": "gsm8k"} if script == EVAL else {}
     for form in ("plain", "separators", "separators+unit"):
         comps = [_gsm8k_forms(n)[form] for n in numbers]
         grades = m.grade_batch(comps, golds, timeout_s=5.0, **kw)
@@ -69,14 +70,15 @@ def test_gsm8k_every_row(module, tmp_path):
 
 
 def test_math500_every_row_reinforce(tmp_path):
-    """reinforce_math_fsdp2.py's gold is a row's `solution` (its last box): a strict completion boxing that box, or
+    """MATH_TRAINER's gold is a row's `solution` (its last box): a strict completion boxing that box, or
     the row's separate `answer` field (the same answer, often written differently), is correct; so is the solution's
     box against the bare `answer` as gold (which grade also takes), where no extraction can cancel out."""
     _need(MATH500)
-    m = importlib.import_module("reinforce_math_fsdp2")
+    m = import_script(MATH_TRAINER)
     rows = m.load_rows(_as_test_split(MATH500, tmp_path), "test")
     assert len(rows) == 500 and all(set(r) >= {"problem", "solution", "answer"} for r in rows)
-    solutions, answers = [r["solution"] for r in rows], [r["answer"] for r in rows]  # solution: the script's gold
+    solutions = [r["solution"] for r in rows]  # the script's gold
+    answers = [r["answer"] for r in rows]
     boxes = [m.last_boxed(g) for g in solutions]
     assert all(boxes)
     for name, boxed, golds in (
@@ -90,13 +92,13 @@ def test_math500_every_row_reinforce(tmp_path):
 
 
 def test_math500_every_row_eval(tmp_path):
-    """eval.py's gold is a row's `answer` field (the solution when a row has none): a completion boxing it, or the
+    """EVAL's gold is a row's `answer` field (the solution when a row has none): a completion boxing it, or the
     solution's last box, is correct, in the default and in the strict format."""
     _need(MATH500)
-    m = importlib.import_module("eval")
+    m = import_script(EVAL)
     rows = m.load_split(_as_test_split(MATH500, tmp_path), "test", "math500")
     assert len(rows) == 500
-    golds = [r.get("answer") or r["solution"] for r in rows]  # as eval.py's main picks them
+    golds = [r.get("answer") or r["solution"] for r in rows]  # as the script's main picks them
     for name, answers in (
         ("answer field", [m.gold_answer(g, "math500") for g in golds]),
         ("solution's box", [m.last_boxed(r["solution"]) for r in rows]),

@@ -1,24 +1,36 @@
-"""reinforce_math_fsdp2.py: strict-format grading, the loss against naive references, and the real
-script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real vllm_sync_server."""
+"""SCRIPT (REINFORCE on MATH, FSDP2): strict-format grading, the loss against naive references, and the real
+script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real vllm_sync_server (the toy model,
+MATH-schema problems whose answer is always 7). A copy of the script is tested by changing SCRIPT."""
 
-import json
+import contextlib
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-import requests
 import torch
 
-from conftest import PY, ROOT, free_port, logprob_gap, sha256, start_server, stop_server
+from conftest import (
+    FIXTURES,
+    PY,
+    ROOT,
+    assert_seed_streams_distinct,
+    free_port,
+    import_script,
+    load_weights,
+    logprob_gap,
+    max_abs_diff,
+    metrics_of,
+    naive_advantages,
+    read_jsonl,
+    server_matches,
+)
 
-sys.path.insert(0, ROOT)
-import reinforce_math_fsdp2 as R  # noqa: E402
-
-FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+SCRIPT = "reinforce_math_fsdp2.py"
+R = import_script(SCRIPT)
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
@@ -44,32 +56,25 @@ def test_strict_format_grading():
 
 def test_reinforce_loss_and_advantages_against_naive():
     g = torch.Generator().manual_seed(0)
-    lp, adv = -torch.rand(3, 5, generator=g) * 2, torch.tensor([0.5, -1.0, 2.0])
+    lp = -torch.rand(3, 5, generator=g) * 2
+    adv = torch.tensor([0.5, -1.0, 2.0])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     want = -sum(adv[b].item() * lp[b, t].item() for b in range(3) for t in range(5) if mask[b, t]) / mask.sum().item()
     assert abs(R.reinforce_loss(lp, adv, mask).item() - want) < 1e-6
     r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     for scale in (True, False):
-        ref = []
-        for k in (0, 4):
-            grp = r[k : k + 4].tolist()
-            mean = sum(grp) / 4
-            std = (sum((x - mean) ** 2 for x in grp) / 3) ** 0.5
-            ref += [(x - mean) / (std + 1e-4) if scale else x - mean for x in grp]
-        assert torch.allclose(R.group_advantages(r, 4, scale), torch.tensor(ref), atol=1e-6)
+        want = torch.tensor(naive_advantages(r.tolist(), 4, scale))
+        assert torch.allclose(R.group_advantages(r, 4, scale), want, atol=1e-6)
 
 
 def test_rollout_seeds_are_distinct_by_construction():
-    for group_size in (1, 4, 8):
-        train = [R.rollout_seed(2, k, group_size) + j for k in range(200) for j in range(group_size)]
-        evals = [R.eval_seed(2, i) for i in range(200)]
-        assert len(set(train + evals)) == len(train) + len(evals)
+    assert_seed_streams_distinct(R)
 
 
 def test_help_under_torchrun_prints_once_and_fast():
     t0 = time.time()
     r = subprocess.run(
-        [TORCHRUN, "--nproc_per_node=3", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
+        [TORCHRUN, "--nproc_per_node=3", os.path.join(ROOT, SCRIPT), "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -77,7 +82,7 @@ def test_help_under_torchrun_prints_once_and_fast():
     assert r.returncode == 0 and r.stdout.count("usage:") == 1 and "--rank0-only-output" in r.stdout
     assert time.time() - t0 < 6  # torchrun itself imports torch (~2 s on this machine); the script does not
     r = subprocess.run(
-        [PY, "-X", "importtime", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--help"],
+        [PY, "-X", "importtime", os.path.join(ROOT, SCRIPT), "--help"],
         capture_output=True,
         text=True,
     )
@@ -86,7 +91,7 @@ def test_help_under_torchrun_prints_once_and_fast():
         "transformers",
     }
     r = subprocess.run(
-        [TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "reinforce_math_fsdp2.py"), "--no-such-flag"],
+        [TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, SCRIPT), "--no-such-flag"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -102,14 +107,16 @@ def test_param_dtype_applies_on_one_rank(tiny_model):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    ids, at = torch.tensor([[5, 17, 33, 2, 91, 7]]), torch.tensor([1, 2, 3, 4])
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7]])
+    at = torch.tensor([1, 2, 3, 4])  # the flat positions whose next token is scored
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     R.token_logprobs(ref, ids, torch.ones_like(ids), at).sum().backward()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for dtype in ("bfloat16", "float32"):
-            model, seen = R.setup_model(tiny_model, dtype, True, torch.device("cpu")), []
-            model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].dtype))
+            model = R.setup_model(tiny_model, dtype, True, torch.device("cpu"))
+            seen = []  # the dtype of the lm_head's input, at every call
+            model.lm_head.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].dtype))
             model.token_logprobs(ids, torch.ones_like(ids), at).sum().backward()
             assert seen and set(seen) == {getattr(torch, dtype)}, (dtype, seen)
             assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
@@ -125,7 +132,8 @@ def _setup_on_rank(rank, port, model_dir, out):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    loads, from_pretrained = [], AutoModelForCausalLM.from_pretrained
+    loads = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
     AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or from_pretrained(*a, **k)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = R.setup_model(model_dir, "float32", True, torch.device("cpu"))
@@ -163,21 +171,12 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
     assert all((g["logprobs"] - want).abs().max().item() < 1e-6 for g in got)
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A 128-token tiny model in which `\\boxed{7}` is one token, and MATH-schema problems whose answer is
-    always 7: rewards vary from the first step, so gradients (and the checks on them) are not trivial."""
-    from tiny_model import build_tiny_model
-
-    model = build_tiny_model(str(tmp_path_factory.mktemp("toy") / "toy"), vocab_size=128, byte_alphabet=False)
-    proc, url = start_server(model, str(tmp_path_factory.mktemp("fsdp_server") / "server.log"))
-    yield url, model
-    stop_server(proc)
-
-
+# ---------------------------------------------------------------------------------------------------
+# the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
 def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
     """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
-    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster."""
+    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
+    Returns the launchers' stdout and stderr together, and the metrics (one dict per step)."""
     data = os.path.join(FIXTURES, "math_toy")
     launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
     if nodes > 1:
@@ -194,7 +193,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
             for n in range(nodes)
         ]
     cmd = [
-        os.path.join(ROOT, "reinforce_math_fsdp2.py"),
+        os.path.join(ROOT, SCRIPT),
         "--model",
         model,
         "--dataset",
@@ -223,39 +222,48 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
         *extra,
     ]
     os.makedirs(workdir, exist_ok=True)
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in launch]  # no pipe fills up
-    procs = [
-        subprocess.Popen(prefix + cmd, cwd=workdir, stdout=o, stderr=e, text=True)
-        for prefix, (o, e) in zip(launch, files)
-    ]
-    codes = [p.wait(timeout=900) for p in procs]
-    stdout, stderr = ("".join(f.seek(0) or f.read() for f in fs) for fs in zip(*files))
+    with contextlib.ExitStack() as files:  # the launchers' output goes to files: no pipe fills up
+        outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in launch]
+        errs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in launch]
+        procs = [
+            subprocess.Popen(prefix + cmd, cwd=workdir, stdout=out, stderr=err, text=True)
+            for prefix, out, err in zip(launch, outs, errs, strict=True)
+        ]
+        codes = [p.wait(timeout=900) for p in procs]
+        stdout = "".join(f.seek(0) or f.read() for f in outs)
+        stderr = "".join(f.seek(0) or f.read() for f in errs)
     assert codes == [0] * len(procs), stdout[-3000:] + stderr[-6000:]
-    metrics = [
-        dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
-        for line in stdout.splitlines()
-        if re.match(r"step \d+: ", line)
-    ]
-    return stdout + stderr, metrics
+    return stdout + stderr, metrics_of(stdout)
 
 
-def weights(path):
-    from safetensors.torch import load_file
+CKPT = "checkpoints_math_fsdp2"  # the script's default checkpoint directory
 
-    return load_file(os.path.join(path, "model.safetensors"))
+
+def rollout_log(path, rank: int) -> list[dict]:
+    """The rollout log rank `rank` of the run in `path` wrote (each rank writes its own)."""
+    return read_jsonl(path / f"fsdp2_math_rollouts.rank{rank}.jsonl")
+
+
+class FsdpRun(NamedTuple):
+    path: Path
+    out: str  # the launcher's stdout and stderr
+    metrics: list[dict]
+    rollouts: list[list[dict]]  # per rank, read before test_resume_continues_from_the_sharded_state appends to them
+    checkpoints: list[str]  # the checkpoint directories, listed before that test adds step_3
+    server_matched_step_2: bool  # the server held exactly step 2's weights when the run ended
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(toy, tmp_path_factory):
+def fsdp_run(toy, tmp_path_factory) -> FsdpRun:
     """The 2-rank run of test_fsdp2_end_to_end, also the reference of the tests that compare its first step: 2 ranks x
     4 prompts x 8 completions, fp32 policy, several micro-batches per rank (gradient sync only on the last), activation
-    checkpointing on (the default), every push verified against the server's checksums. Returns (workdir, output,
-    metrics); test_fsdp2_end_to_end resumes it to step 3 (steps 1 and 2 stay)."""
-    url, model = toy
+    checkpointing on (the default), every push verified against the server's checksums.
+    test_resume_continues_from_the_sharded_state resumes it to step 3 (steps 1 and 2 stay): what that changes (the
+    rollout logs, the checkpoints, the server's weights) is read here, right after the run."""
     path = tmp_path_factory.mktemp("fsdp")
     out, m = run(
-        url,
-        model,
+        toy.url,
+        toy.model,
         path,
         "--train-steps",
         "2",
@@ -268,32 +276,39 @@ def fsdp_run(toy, tmp_path_factory):
         "4",
         "--rank0-only-output",
     )
-    return path, out, m
+    return FsdpRun(
+        path=path,
+        out=out,
+        metrics=m,
+        rollouts=[rollout_log(path, rank) for rank in (0, 1)],
+        checkpoints=sorted(os.listdir(path / CKPT)),
+        server_matched_step_2=server_matches(toy.url, path / CKPT / "step_2"),
+    )
 
 
 def step_1(path):
     """Step 1 of the run in `path`: per rank, its rollouts (problem, completion, seed, reward); and the weights."""
     rows = [
-        [
-            (x["problem"], x["completion"], x["seed"], x["reward"])
-            for x in map(json.loads, open(path / f"fsdp2_math_rollouts.rank{r}.jsonl"))
-            if x["step"] == 1
-        ]
-        for r in (0, 1)
+        [(x["problem"], x["completion"], x["seed"], x["reward"]) for x in rollout_log(path, rank) if x["step"] == 1]
+        for rank in (0, 1)
     ]
-    return rows, weights(path / "checkpoints_math_fsdp2" / "step_1")
+    return rows, load_weights(path / CKPT / "step_1")
 
 
-def test_fsdp2_end_to_end(toy, fsdp_run, tmp_path):
-    url, model = toy
-    path, out, m = fsdp_run
+def test_fsdp2_end_to_end(fsdp_run):
+    """The 2-rank run: a real gradient, the trainer's logprobs equal vLLM's under FSDP2, rank 0 alone prints and
+    writes the Hugging Face checkpoint while each rank writes its shards of the trainer state, each rank logs its own
+    rollouts, and the server ends with exactly the gathered weights of the last step."""
+    path = fsdp_run.path
+    out = fsdp_run.out
+    m = fsdp_run.metrics
     assert [x["version"] for x in m] == ["1", "2"] and "eval/accuracy" in m[1]
     assert float(m[0]["grad_norm"]) > 0  # rewards varied: a real gradient
     # alignment under FSDP2: the trainer's fp32 logprobs of the sampled tokens equal vLLM's (mean |diff|)
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), [x["logprob_mismatch"] for x in m]
     assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
-    ck = path / "checkpoints_math_fsdp2"
-    assert sorted(os.listdir(ck)) == ["step_1", "step_2"]
+    ck = path / CKPT
+    assert fsdp_run.checkpoints == ["step_1", "step_2"]
     # rank 0 alone wrote the Hugging Face checkpoint; each rank wrote its shards of the trainer state
     assert (
         "[rank1] INFO saved" in out
@@ -302,31 +317,34 @@ def test_fsdp2_end_to_end(toy, fsdp_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(ck / "step_2")
-    for r in (0, 1):
-        rows = [json.loads(x) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
-        assert len(rows) == 2 * 4 * 8 and {x["rank"] for x in rows} == {r}
-    # the server holds exactly the gathered weights of the last step
-    w2 = weights(ck / "step_2")
-    w2.setdefault("lm_head.weight", w2["model.embed_tokens.weight"])
-    got = requests.get(url + "/weights_checksum").json()["checksums"]
-    assert all(got[k] == sha256(w2[k]) for k in got)
+    for rank, rows in enumerate(fsdp_run.rollouts):
+        assert len(rows) == 2 * 4 * 8 and {x["rank"] for x in rows} == {rank}
+    assert fsdp_run.server_matched_step_2  # the server holds exactly the gathered weights of the last step
 
-    # FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process (FSDP over one rank; same prompts, same
-    # seeds, so the same completions; the loss normalised by the global token count)
-    _, m1 = run(url, model, tmp_path / "single", "--train-steps", "1", "--rollouts-per-update", "8", nproc=0)
-    a, b = weights(ck / "step_1"), weights(tmp_path / "single" / "checkpoints_math_fsdp2" / "step_1")
-    base = weights(model)
-    assert abs(float(m1[0]["grad_norm"]) - float(m[0]["grad_norm"])) < 1e-5 * float(m1[0]["grad_norm"])
+
+def test_two_ranks_equal_one_process(toy, fsdp_run, tmp_path):
+    """FSDP2 correctness: step 1 on 2 ranks equals step 1 in one process (FSDP over one rank; same prompts, same
+    seeds, so the same completions; the loss normalised by the global token count): the same gradient norm and the
+    same weights, which the step did move."""
+    _, m1 = run(toy.url, toy.model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "8", nproc=0)
+    two_ranks = load_weights(fsdp_run.path / CKPT / "step_1")
+    one_process = load_weights(tmp_path / CKPT / "step_1")
+    base = load_weights(toy.model)
+    g_one = float(m1[0]["grad_norm"])
+    assert abs(g_one - float(fsdp_run.metrics[0]["grad_norm"])) < 1e-5 * g_one
     # (a small learning rate: Adam's first step, lr * g / (|g| + eps), amplifies float noise where g ~ 0)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-    assert max((a[k] - base[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
+    assert max_abs_diff(two_ranks, one_process) < 1e-5
+    assert max_abs_diff(two_ranks, base) > 5e-5  # the step moved the weights
 
-    # --resume continues at step 3 from the sharded state, pushing the checkpoint's weights first
-    out, m3 = run(url, model, path, "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
+
+def test_resume_continues_from_the_sharded_state(toy, fsdp_run):
+    """--resume continues the 2-rank run at step 3 from its sharded state, pushing the checkpoint's weights first;
+    every sample of the run, over ranks, steps and the resume, drew its own random stream."""
+    path = fsdp_run.path
+    out, m3 = run(toy.url, toy.model, path, "--train-steps", "3", "--rollouts-per-update", "4", "--resume")
     assert "resumed from checkpoints_math_fsdp2/step_2 at step 2" in out and [x["version"] for x in m3] == ["3"]
-    assert set(os.listdir(ck)) == {"step_1", "step_2", "step_3"}
-    # every sample of the run, over ranks, steps and the resume, drew its own random stream
-    seeds = [json.loads(x)["seed"] for r in (0, 1) for x in open(path / f"fsdp2_math_rollouts.rank{r}.jsonl")]
+    assert set(os.listdir(path / CKPT)) == {"step_1", "step_2", "step_3"}
+    seeds = [x["seed"] for rank in (0, 1) for x in rollout_log(path, rank)]
     assert len(seeds) == 3 * 2 * 4 * 8 and len(set(seeds)) == len(seeds)
 
 
@@ -336,10 +354,11 @@ def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
     per rank."""
     url, model = toy
     run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--reduce-every-micro-batch")
-    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    rows, a = step_1(tmp_path)
+    ref_rows, b = step_1(fsdp_run.path)
     assert rows == ref_rows  # the same samples, so the same gradient is due
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-    assert max((a[k] - weights(model)[k]).abs().max().item() for k in a) > 5e-5  # and the step moved the weights
+    assert max_abs_diff(a, b) < 1e-5
+    assert max_abs_diff(a, load_weights(model)) > 5e-5  # the step moved the weights
 
 
 def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
@@ -359,15 +378,14 @@ def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
         nproc=1,
         nodes=2,
     )
-    (rows, a), (ref_rows, b) = step_1(tmp_path), step_1(fsdp_run[0])
+    rows, a = step_1(tmp_path)
+    ref_rows, b = step_1(fsdp_run.path)
     assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max_abs_diff(a, b) < 1e-5
     assert out.count("done: 1 steps") == 1 and len(m) == 1
     assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
-    assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run[1]  # the reference: one node, two local ranks
-    assert (
-        "[rank1] INFO saved" in out and len(os.listdir(tmp_path / "checkpoints_math_fsdp2" / "step_1" / "trainer")) == 5
-    )
+    assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run.out  # the reference: one node, two local ranks
+    assert "[rank1] INFO saved" in out and len(os.listdir(tmp_path / CKPT / "step_1" / "trainer")) == 5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
