@@ -75,7 +75,7 @@ def test_math500_every_row_reinforce(tmp_path):
     box against the bare `answer` as gold (which grade also takes), where no extraction can cancel out."""
     _need(MATH500)
     m = import_script(MATH_TRAINER)
-    rows = m.load_rows(_as_test_split(MATH500, tmp_path), "test")
+    rows = m.load_split(_as_test_split(MATH500, tmp_path), "test")
     assert len(rows) == 500 and all(set(r) >= {"problem", "solution", "answer"} for r in rows)
     solutions = [r["solution"] for r in rows]  # the script's gold
     answers = [r["answer"] for r in rows]
