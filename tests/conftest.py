@@ -234,7 +234,7 @@ def logprob_gap(module, url: str, model_path: str, temperature: float, seed: int
     for idx in module.pack_micro_batches([len(s) for s in seqs], 64):  # a small budget: several micro-batches
         ids, attn, mask, at = module.micro_batch(seqs, n_prompt, idx, 0, torch.device("cpu"))
         with torch.no_grad():  # small chunks: several lm_head blocks
-            flat = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
+            flat, _ = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())
     return worst
