@@ -40,7 +40,9 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
                                version - version_max
   temperature           float  optional, 1.0 when absent: the sampling temperature the logprobs are under; the
                                learner refuses a record sampled at another temperature than its --temperature
-  optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
+  finish_reason         str    optional: "length" when the completion hit the token limit (the learner counts it
+                               as truncated), "stop" otherwise
+  optional, ignored by the learner: text, correct, parse_error, actor, time
 
   python pipeline_learner.py --model Qwen/Qwen2.5-0.5B-Instruct --redis-url redis://localhost:6379/0 \\
       --queue-key gsm8k_rollouts --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --batch-size 64 --max-lag 2
