@@ -90,6 +90,12 @@ class Args:
     """maximum padded tokens in one forward/backward micro-batch"""
     max_seq_len: int = 1024
     """prompt + completion tokens kept for training (longer ones are truncated)"""
+    mask_truncated_completions: bool = False
+    """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
+    reward still counts in the statistics"""
+    skip_zero_std_groups: bool = False
+    """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
+    normalised over the groups fed"""
 
     # Generation
     train_temperature: float = 1.0
@@ -161,6 +167,13 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     return adv.view(-1)  # [B]
 
 
+def zero_std_groups(rewards, group_size: int):
+    """rewards [B] -> [B/G] bool: the groups whose rewards are all equal. Their advantages are all 0, so they add
+    nothing to the policy gradient (only to the KL term, with --beta): a batch full of them teaches nothing."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    return (r == r[:, :1]).all(dim=1)  # [B/G]
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
@@ -221,7 +234,8 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
     logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
     No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive)."""
+    [chunk, V] block alive). Returns the logprobs [N] and, from the same logits, the policy's entropy at those positions
+    [N] (a diagnostic: no gradient)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -231,13 +245,19 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
 
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+        log_z = torch.logsumexp(logits, dim=-1)  # [chunk]
+        logprobs = logits.gather(1, t_c[:, None])[:, 0] - log_z  # [chunk]
+        with torch.no_grad():  # H = -sum_v p_v log p_v = log Z - sum_v p_v z_v, with z = logits / temperature
+            entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [chunk]
+        return logprobs, entropy
 
     blocks = [
         checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
         for i in range(0, h.shape[0], chunk)
     ]
-    return torch.cat(blocks)  # [N]
+    logprobs = torch.cat([lp for lp, _ in blocks])  # [N]
+    entropy = torch.cat([e for _, e in blocks])  # [N]
+    return logprobs, entropy
 
 
 def as_rows(flat, mask):
@@ -896,36 +916,52 @@ if __name__ == "__main__":
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
-        # 4) loss and update: num_iterations optimizer steps, each over all micro-batches of the batch
+        # 4) which samples the update sees, and which of their tokens get a gradient
         seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
         n_prompt = [len(sample.prompt_ids) for sample in samples]
         n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
-        micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
         B = len(seqs)
-        T_all = max(1, sum(n_comp))  # completion tokens of the whole batch
+        G = args.group_size
+        hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]  # --max-completion-tokens
+        cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
+        zero_std = zero_std_groups(rewards, G).tolist()  # [B/G]
+        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i // G])]
+        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
+        trained = [0 if masked[i] else n_comp[i] for i in range(B)]  # tokens with a gradient, per sample
+        B_fed = max(1, len(fed))
+        T_fed = max(1, sum(n_comp[i] for i in fed))  # completion tokens fed through the model
+        T_all = max(1, sum(trained[i] for i in fed))  # completion tokens with a gradient
+
+        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
+        micro = [
+            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
+        ]
         old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-        stats = {"mismatch_sum": 0.0, "loss": 0.0}
+        stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0}
         bad = False  # a non-finite loss or gradient: the step is skipped
         for it in range(args.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             for m, idx in enumerate(micro):
                 ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
+                train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
                 with autocast:
-                    flat = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], the sampler's policy
-                    logprobs = as_rows(flat, mask)  # [b, T]
+                    flat, entropy = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], [N]
+                    logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
                     ref_lp = None
                     if ref_model is not None:
                         with torch.no_grad():  # the reference at the same temperature: KL between sampling policies
-                            ref_lp = as_rows(token_logprobs(ref_model, ids, attn, at, args.train_temperature), mask)
+                            ref_flat, _ = token_logprobs(ref_model, ids, attn, at, args.train_temperature)
+                            ref_lp = as_rows(ref_flat, mask)
                 vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
                 if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                     old_lp[m] = logprobs.detach()
                     stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
+                    stats["entropy_sum"] += entropy.sum().item()
                 loss = policy_loss(
                     logprobs,
                     old_lp[m],
                     advantages[idx].to(device),
-                    mask,
+                    train_mask,
                     args.clip_eps_low,
                     args.clip_eps_high,
                     args.loss_type,
@@ -937,8 +973,8 @@ if __name__ == "__main__":
                     stats=stats if it == 0 else None,
                 )
                 # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
-                # the whole batch, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
-                weight = sum(n_comp[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B
+                # the samples fed, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
+                weight = sum(trained[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B_fed
                 loss = loss * weight
                 if not torch.isfinite(loss).item():
                     bad = True
@@ -957,14 +993,14 @@ if __name__ == "__main__":
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
         step += 1
-        # 5) push weights to vLLM
+        # 6) push weights to vLLM
         sync_s = 0.0
         if not bad and step % args.sync_every_steps == 0:
             version += 1
             sync_s = push_weights(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
-        # 6) log, evaluate, checkpoint
+        # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens
         metrics = {
@@ -976,8 +1012,12 @@ if __name__ == "__main__":
             "avg_completion_length": new_tokens / B,
             "completion_tokens": new_tokens,
             "total_completion_tokens": total_tokens,
+            "entropy": stats["entropy_sum"] / T_fed,
+            "completion_truncated_rate": float(np.mean(hit_limit)),
+            "seq_len_truncated_rate": float(np.mean(cut)),
+            "frac_reward_zero_std": float(np.mean(zero_std)),
             "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
-            "logprob_mismatch": stats["mismatch_sum"] / T_all,
+            "logprob_mismatch": stats["mismatch_sum"] / T_fed,
             "kl": stats.get("kl_sum", 0.0) / T_all,
             "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
             "skipped_steps": skipped,
@@ -996,6 +1036,7 @@ if __name__ == "__main__":
                     **grade_._asdict(),
                     "advantage": advantage,
                     "versions": sample.completion["versions"],
+                    "finish_reason": sample.completion["finish_reason"],
                     "seed": sample.seed,
                 }
                 rollout_log.write(json.dumps(record) + "\n")

@@ -48,7 +48,9 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
                                version - version_max
   temperature           float  optional, 1.0 when absent: the sampling temperature the logprobs are under; the
                                learner refuses a record sampled at another temperature than its --temperature
-  optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
+  finish_reason         str    optional: "length" when the completion hit the token limit (the learner counts it
+                               as truncated), "stop" otherwise
+  optional, ignored by the learner: text, correct, parse_error, actor, time
 
   python pipeline_actor.py --redis-url redis://localhost:6379/0 --queue-key gsm8k_rollouts \\
       --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --max-lag 2 --records-per-version 64
@@ -502,8 +504,12 @@ if __name__ == "__main__":
             backstop_s=args.grade_backstop_s,
         )
         advantages = []
+        zero_std = []  # per group: all its rewards equal (all its advantages 0: no learning signal)
         for k in range(0, len(samples), args.group_size):
-            advantages += group_advantages([gr.reward for gr in grades[k : k + args.group_size]], args.scale_rewards)
+            rewards = [gr.reward for gr in grades[k : k + args.group_size]]
+            advantages += group_advantages(rewards, args.scale_rewards)
+            zero_std.append(len(set(rewards)) == 1)
+        truncated = [sample.completion["finish_reason"] == "length" for sample in samples]
 
         # 5) push one record per completion (format: see the docstring)
         records = []
@@ -540,7 +546,9 @@ if __name__ == "__main__":
             print(
                 f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
                 f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
-                f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g}",
+                f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g} "
+                f"frac_reward_zero_std={sum(zero_std) / len(zero_std):.4g} "
+                f"completion_truncated_rate={sum(truncated) / len(truncated):.4g}",
                 flush=True,
             )
     pool.shutdown()

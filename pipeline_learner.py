@@ -40,7 +40,9 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
                                version - version_max
   temperature           float  optional, 1.0 when absent: the sampling temperature the logprobs are under; the
                                learner refuses a record sampled at another temperature than its --temperature
-  optional, ignored by the learner: text, correct, parse_error, finish_reason, actor, time
+  finish_reason         str    optional: "length" when the completion hit the token limit (the learner counts it
+                               as truncated), "stop" otherwise
+  optional, ignored by the learner: text, correct, parse_error, actor, time
 
   python pipeline_learner.py --model Qwen/Qwen2.5-0.5B-Instruct --redis-url redis://localhost:6379/0 \\
       --queue-key gsm8k_rollouts --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --batch-size 64 --max-lag 2
@@ -95,6 +97,12 @@ class Args:
     """maximum padded tokens in one forward/backward micro-batch"""
     max_seq_len: int = 1024
     """prompt + completion tokens kept for training (longer ones are truncated)"""
+    mask_truncated_completions: bool = False
+    """no gradient for a completion the actor's server cut at its token limit (the record's finish_reason "length") or
+    cut by --max-seq-len (DAPO's overlong filtering); its reward still counts in the statistics"""
+    skip_zero_std_groups: bool = False
+    """do not feed records of groups whose rewards were all equal (their advantage is exactly 0) through the model;
+    the loss is then normalised over the records fed"""
 
     # The queue
     redis_url: str = "redis://localhost:6379/0"
@@ -179,7 +187,8 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
     logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
     No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive)."""
+    [chunk, V] block alive). Returns the logprobs [N] and, from the same logits, the policy's entropy at those positions
+    [N] (a diagnostic: no gradient)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -189,13 +198,19 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
 
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+        log_z = torch.logsumexp(logits, dim=-1)  # [chunk]
+        logprobs = logits.gather(1, t_c[:, None])[:, 0] - log_z  # [chunk]
+        with torch.no_grad():  # H = -sum_v p_v log p_v = log Z - sum_v p_v z_v, with z = logits / temperature
+            entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [chunk]
+        return logprobs, entropy
 
     blocks = [
         checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
         for i in range(0, h.shape[0], chunk)
     ]
-    return torch.cat(blocks)  # [N]
+    logprobs = torch.cat([lp for lp, _ in blocks])  # [N]
+    entropy = torch.cat([e for _, e in blocks])  # [N]
+    return logprobs, entropy
 
 
 def as_rows(flat, mask):
@@ -624,22 +639,38 @@ if __name__ == "__main__":
                 if status == "trained":
                     batch.append(rec)
 
-        # 2) loss and update: one optimizer step over all micro-batches of the batch
+        # 2) which records the update sees, and which of their tokens get a gradient. A batch need not hold whole
+        # groups, but a group whose rewards were all equal gave each of its records an advantage of exactly 0
         seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in batch]
         n_prompt = [len(rec["prompt_token_ids"]) for rec in batch]
         n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
         advantages = torch.tensor([rec["advantage"] for rec in batch], dtype=torch.float32)  # [B]
         B = len(batch)
+        hit_limit = [rec.get("finish_reason") == "length" for rec in batch]  # the actor's --max-completion-tokens
+        cut = [len(rec["prompt_token_ids"]) + len(rec["completion_token_ids"]) > args.max_seq_len for rec in batch]
+        zero_std = [rec["advantage"] == 0.0 for rec in batch]
+        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i])]
+        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
+        B_fed = max(1, len(fed))
+        T_fed = max(1, sum(n_comp[i] for i in fed))  # completion tokens fed through the model
+
+        # 3) loss and update: one optimizer step over all micro-batches of the records fed
+        micro = [
+            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
+        ]
         stats = {"loss": 0.0}
+        entropy_sum = 0.0
         mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
         fresh_tokens = 0  # those tokens
         bad = False  # a non-finite loss: no update
         optimizer.zero_grad(set_to_none=True)
-        for idx in pack_micro_batches([len(s) for s in seqs], args.micro_token_budget):
+        for idx in micro:
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id or 0, device)
+            train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
             with autocast:
-                flat = token_logprobs(model, ids, attn, at, args.temperature)  # [N], the sampler's policy
-                logprobs = as_rows(flat, mask)  # [b, T]
+                flat, entropy = token_logprobs(model, ids, attn, at, args.temperature)  # [N], [N]
+                logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
+            entropy_sum += entropy.sum().item()
             mu = sampler_logprobs(batch, idx, n_comp, mask)  # [b, T]: the sampling policy's logprobs
             sampled_now = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)  # [b]
             fresh = sampled_now[:, None] * mask  # [b, T]: tokens sampled by the weights we hold
@@ -649,14 +680,14 @@ if __name__ == "__main__":
                 logprobs,
                 mu,
                 advantages[idx].to(device),
-                mask,
+                train_mask,
                 args.loss,
                 args.clip_eps_low,
                 args.clip_eps_high,
                 args.tis_cap,
                 stats=stats,
             )
-            loss = loss * len(idx) / B  # a mean over sequences: micro-batches add up to the batch's loss
+            loss = loss * len(idx) / B_fed  # a mean over sequences: micro-batches add up to the batch's loss
             if not torch.isfinite(loss):
                 bad = True
                 break
@@ -669,7 +700,7 @@ if __name__ == "__main__":
             optimizer.step()
         step += 1
 
-        # 3) push the weights to every server: a new version
+        # 4) push the weights to every server: a new version
         sync_s = 0.0
         if step % args.sync_every_steps == 0:
             version += 1
@@ -677,7 +708,7 @@ if __name__ == "__main__":
             if args.verify_sync:
                 verify_weights(sync, model)
 
-        # 4) log, checkpoint
+        # 5) log, checkpoint
         step_s = time.time() - t0
         T_all = max(1.0, stats.get("tokens", 0.0))  # completion tokens of the batch
         queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
@@ -686,6 +717,10 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(),
             "reward": sum(x["reward"] for x in batch) / B,
             "avg_completion_length": sum(n_comp) / B,
+            "entropy": entropy_sum / T_fed,
+            "completion_truncated_rate": sum(hit_limit) / B,
+            "seq_len_truncated_rate": sum(cut) / B,
+            "frac_reward_zero_std": sum(zero_std) / B,
             "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
             "ratio": stats.get("ratio_sum", T_all) / T_all,
             "logprob_mismatch": mismatch_sum / max(1, fresh_tokens),

@@ -81,6 +81,12 @@ class Args:
     """maximum padded tokens in one forward/backward micro-batch"""
     max_seq_len: int = 1024
     """prompt + completion tokens kept for training (longer ones are truncated)"""
+    mask_truncated_completions: bool = False
+    """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
+    reward still counts in the statistics"""
+    skip_zero_std_groups: bool = False
+    """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
+    normalised over the groups fed"""
 
     # FSDP2
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -160,6 +166,13 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True):
     return adv.view(-1)  # [B]
 
 
+def zero_std_groups(rewards, group_size: int):
+    """rewards [B] -> [B/G] bool: the groups whose rewards are all equal. Their advantages are all 0, so they add
+    nothing to the policy gradient (only to the KL term, with --beta): a batch full of them teaches nothing."""
+    r = rewards.view(-1, group_size)  # [B/G, G]
+    return (r == r[:, :1]).all(dim=1)  # [B/G]
+
+
 def reinforce_loss(logprobs, advantages, mask):
     """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
     logprobs, mask [B, T] (completion tokens), advantages [B]. Relation to GRPO (grpo_gsm8k.policy_loss): its token term
@@ -176,7 +189,8 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
     logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
     No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive)."""
+    [chunk, V] block alive). Returns the logprobs [N] and, from the same logits, the policy's entropy at those positions
+    [N] (a diagnostic: no gradient)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -186,13 +200,19 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
 
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+        log_z = torch.logsumexp(logits, dim=-1)  # [chunk]
+        logprobs = logits.gather(1, t_c[:, None])[:, 0] - log_z  # [chunk]
+        with torch.no_grad():  # H = -sum_v p_v log p_v = log Z - sum_v p_v z_v, with z = logits / temperature
+            entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [chunk]
+        return logprobs, entropy
 
     blocks = [
         checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
         for i in range(0, h.shape[0], chunk)
     ]
-    return torch.cat(blocks)  # [N]
+    logprobs = torch.cat([lp for lp, _ in blocks])  # [N]
+    entropy = torch.cat([e for _, e in blocks])  # [N]
+    return logprobs, entropy
 
 
 def as_rows(flat, mask):
@@ -869,34 +889,50 @@ if __name__ == "__main__":
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
-        # 4) loss and update. Every rank must run the same number of forward/backward passes (each one
-        # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
+        # 4) which samples the update sees, and which of their tokens get a gradient (groups never straddle ranks)
         seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
         n_prompt = [len(sample.prompt_ids) for sample in samples]
         n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
-        micro = pack_micro_batches([len(s) for s in seqs], args.micro_token_budget)
+        B = len(seqs)
+        G = args.group_size
+        hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]  # --max-completion-tokens
+        cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
+        zero_std = zero_std_groups(rewards, G).tolist()  # [B/G]
+        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i // G])]
+        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
+        trained = [0 if masked[i] else n_comp[i] for i in range(B)]  # tokens with a gradient, per sample
+
+        # 5) loss and update. Every rank must run the same number of forward/backward passes (each one
+        # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
+        micro = [
+            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
+        ]
         n_micro = int(all_max(len(micro)))  # micro-batches every rank runs
-        T_global = all_sum(sum(n_comp))[0]  # completion tokens of the step, all ranks together
+        T_global = all_sum(sum(trained[i] for i in fed))[0]  # tokens with a gradient this step, all ranks together
         loss_sum = 0.0
         mismatch_sum = 0.0
+        entropy_sum = 0.0
         optimizer.zero_grad(set_to_none=True)
         for m in range(n_micro):
-            idx = micro[m] if m < len(micro) else micro[0]  # an empty turn reuses a micro-batch with weight 0
+            # an empty turn reuses a micro-batch (or sample 0, if this rank fed nothing) with weight 0
+            idx = micro[m] if m < len(micro) else (micro[0] if micro else [0])
             # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
             model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
             ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
-            flat = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], the sampler's policy
-            logprobs = as_rows(flat, mask)  # [b, T]
+            train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
+            flat, entropy = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], [N]
+            logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
             # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens
             # on all ranks, and times world_size because FSDP averages gradients over ranks, the sum over
             # micro-batches and ranks is the token mean of the whole step: the single-process update.
-            weight = (sum(n_comp[i] for i in idx) / max(T_global, 1)) * world_size if m < len(micro) else 0.0
-            loss = reinforce_loss(logprobs, advantages[idx].to(device), mask) * weight
+            weight = (sum(trained[i] for i in idx) / max(T_global, 1)) * world_size if m < len(micro) else 0.0
+            loss = reinforce_loss(logprobs, advantages[idx].to(device), train_mask) * weight
             loss.backward()
             if m < len(micro):
                 loss_sum += loss.item() / world_size
                 vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
                 mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
+                entropy_sum += entropy.sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
         if math.isfinite(grad_norm):  # every rank sees the same (global) norm, so all skip or none does
@@ -904,7 +940,7 @@ if __name__ == "__main__":
         else:
             log.warning("non-finite gradient at step %d: step skipped", step)
         step += 1
-        # 5) push weights to vLLM: all ranks gather, rank 0 broadcasts
+        # 6) push weights to vLLM: all ranks gather, rank 0 broadcasts
         t_sync = time.time()
         version += 1
         push_weights(sync, model, version)
@@ -922,9 +958,9 @@ if __name__ == "__main__":
                 if differ:
                     raise RuntimeError(f"weights differ after the push: {differ[:5]}")
         sync_s = time.time() - t_sync
-        # 6) log, evaluate, checkpoint
+        # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
-        n, r_sum, correct, parse_err, tokens, loss_all, mismatch = all_sum(
+        sums = all_sum(
             len(samples),
             rewards.sum().item(),
             sum(g.correct for g in grades),
@@ -932,7 +968,15 @@ if __name__ == "__main__":
             new_tokens,
             loss_sum,
             mismatch_sum,
+            entropy_sum,
+            sum(n_comp[i] for i in fed),
+            sum(hit_limit),
+            sum(cut),
+            sum(zero_std),
+            len(zero_std),
         )
+        n, r_sum, correct, parse_err, tokens, loss_all, mismatch, entropy_all, tokens_fed = sums[:9]
+        n_hit_limit, n_cut, n_zero_std, n_groups = sums[9:]
         total_tokens += tokens
         metrics = {
             "loss": loss_all,
@@ -943,7 +987,11 @@ if __name__ == "__main__":
             "avg_completion_length": tokens / n,
             "completion_tokens": int(tokens),
             "total_completion_tokens": int(total_tokens),
-            "logprob_mismatch": mismatch / max(T_global, 1),
+            "entropy": entropy_all / max(tokens_fed, 1),
+            "completion_truncated_rate": n_hit_limit / n,
+            "seq_len_truncated_rate": n_cut / n,
+            "frac_reward_zero_std": n_zero_std / n_groups,
+            "logprob_mismatch": mismatch / max(tokens_fed, 1),
             "version": version,
             "sync_s": sync_s,
             "step_s": time.time() - t0,
@@ -959,6 +1007,7 @@ if __name__ == "__main__":
                     **grade_._asdict(),
                     "advantage": advantage,
                     "versions": sample.completion["versions"],
+                    "finish_reason": sample.completion["finish_reason"],
                     "seed": sample.seed,
                 }
                 rollout_log.write(json.dumps(record) + "\n")

@@ -371,7 +371,7 @@ def worst_logprob_gap(module, model, prompts: list[list[int]], results: list[dic
     for idx in module.pack_micro_batches([len(s) for s in seqs], 64):
         ids, attn, mask, at = module.micro_batch(seqs, n_prompt, idx, pad_id=0, device=torch.device("cpu"))
         with torch.no_grad():
-            flat = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
+            flat, _ = module.token_logprobs(model.train(), ids, attn, at, temperature, chunk=7)
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())
     return worst

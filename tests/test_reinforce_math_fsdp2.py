@@ -110,14 +110,14 @@ def test_param_dtype_applies_on_one_rank(tiny_model):
     ids = torch.tensor([[5, 17, 33, 2, 91, 7]])
     at = torch.tensor([1, 2, 3, 4])  # the flat positions whose next token is scored
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
-    R.token_logprobs(ref, ids, torch.ones_like(ids), at).sum().backward()
+    R.token_logprobs(ref, ids, torch.ones_like(ids), at)[0].sum().backward()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for dtype in ("bfloat16", "float32"):
             model = R.setup_model(tiny_model, dtype, True, torch.device("cpu"))
             seen = []  # the dtype of the lm_head's input, at every call
             model.lm_head.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].dtype))
-            model.token_logprobs(ids, torch.ones_like(ids), at).sum().backward()
+            model.token_logprobs(ids, torch.ones_like(ids), at)[0].sum().backward()
             assert seen and set(seen) == {getattr(torch, dtype)}, (dtype, seen)
             assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -145,7 +145,7 @@ def _setup_on_rank(rank, port, model_dir, out):
     }
     ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
     with torch.no_grad():
-        got["logprobs"] = model.token_logprobs(ids, torch.ones_like(ids), torch.arange(10))
+        got["logprobs"] = model.token_logprobs(ids, torch.ones_like(ids), torch.arange(10))[0]
     torch.save(got, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -161,7 +161,7 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     ids = torch.tensor([[5, 17, 33, 2, 91, 7], [44, 8, 120, 7, 9, 3]])
     with torch.no_grad():
-        want = R.token_logprobs(ref, ids, torch.ones_like(ids), torch.arange(10))
+        want = R.token_logprobs(ref, ids, torch.ones_like(ids), torch.arange(10))[0]
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert [g["loads"] for g in got] == [1, 0] and all(g["tied"] for g in got)
     full = dict(ref.named_parameters())
