@@ -312,11 +312,17 @@ def test_two_steps_log_checkpoint_and_sync(run_a):
         "clip_frac",
         "kl",
         "logprob_mismatch",
+        "entropy",
+        "completion_truncated_rate",
+        "seq_len_truncated_rate",
+        "frac_reward_zero_std",
         "sync_s",
         "step_s",
         "tokens_per_s",
     ):
         assert key in m[0], key
+    for x in m:  # the toy model's 128-token vocabulary bounds its entropy; its 16-token completions often hit the limit
+        assert 0 < float(x["entropy"]) <= 4.86, x  # log(128) = 4.852
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # the trainer agrees with the sampler
     rollouts = run_a.rollouts
     assert len(rollouts) == 2 * 64 and {"completion", "reward", "advantage", "versions"} <= set(rollouts[0])

@@ -325,6 +325,10 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
             "clip_frac",
             "ratio",
             "logprob_mismatch",
+            "entropy",
+            "completion_truncated_rate",
+            "seq_len_truncated_rate",
+            "frac_reward_zero_std",
             "sync_s",
             "grad_norm",
         ):

@@ -306,6 +306,9 @@ def test_fsdp2_end_to_end(fsdp_run):
     assert float(m[0]["grad_norm"]) > 0  # rewards varied: a real gradient
     # alignment under FSDP2: the trainer's fp32 logprobs of the sampled tokens equal vLLM's (mean |diff|)
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), [x["logprob_mismatch"] for x in m]
+    for x in m:  # the diagnostics, summed over both ranks (the toy model's vocabulary: entropy <= log(128) = 4.852)
+        assert 0 < float(x["entropy"]) <= 4.86 and 0 <= float(x["frac_reward_zero_std"]) <= 1, x
+        assert 0 <= float(x["completion_truncated_rate"]) <= 1 and float(x["seq_len_truncated_rate"]) == 0, x
     assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
     ck = path / CKPT
     assert fsdp_run.checkpoints == ["step_1", "step_2"]
