@@ -19,6 +19,8 @@ Run: python bench/grading.py [--load N [--threads T]] [--reps R] [--timeout-s 5]
 """
 
 import argparse
+import functools
+import inspect
 import json
 import multiprocessing as mp
 import os
@@ -115,9 +117,18 @@ def old_stop() -> None:
     OLD_GRADERS.clear()
 
 
-POOLS = {  # name -> (grade_batch, stop)
+def stop_pebble(workers: int) -> None:
+    """End grpo_gsm8k's pebble pool of `workers` workers alone (stop_graders ends them all)."""
+    pool = G.GRADERS.pop(workers, None)
+    if pool is not None:
+        pool.stop()
+        pool.join()
+
+
+NEW_WORKERS = inspect.signature(G.grade_batch).parameters["workers"].default  # the scripts' pool
+POOLS = {  # name -> (grade_batch, stop); --pebble-workers K adds pebble's pool with K workers
     "hand-written (old)": (old_grade_batch, old_stop),
-    "pebble (new)": (G.grade_batch, G.stop_graders),
+    "pebble (new)": (G.grade_batch, functools.partial(stop_pebble, NEW_WORKERS)),
 }
 
 
@@ -282,4 +293,11 @@ if __name__ == "__main__":
     ap.add_argument("--timeout-s", type=float, default=5.0, help="grade_batch's timeout_s for the case file")
     ap.add_argument("--reps", type=int, default=2, help="runs of the throughput and the poisoned batches")
     ap.add_argument("--n", type=int, default=300, help="typical samples per throughput run")
-    main(ap.parse_args())
+    ap.add_argument("--pebble-workers", type=int, default=0, help="also pebble's pool with this many workers")
+    cli = ap.parse_args()
+    if cli.pebble_workers:
+        POOLS[f"pebble, {cli.pebble_workers} workers"] = (
+            functools.partial(G.grade_batch, workers=cli.pebble_workers),
+            functools.partial(stop_pebble, cli.pebble_workers),
+        )
+    main(cli)
