@@ -1,8 +1,8 @@
 """Benchmark: the grading pool, pebble's (the scripts' grade_batch) against the hand-written pool it replaced.
 
 Both pools grade the same batches in one run, one after the other, each in its own warm processes (so no pool profits
-from the other's sympy cache); this machine has 2 cores and both get 2 workers (the hand-written one also keeps 2
-warm spares).
+from the other's sympy cache); this machine has 2 cores: the hand-written pool gets 2 workers plus its 2 warm spares,
+pebble's grade_batch's default (4); `--pebble-workers K` adds pebble's pool with K workers.
 1. Throughput on typical completions (distinct GSM8K-like integers and MATH-like LaTeX: fractions, radicals,
    tuples, intervals vs inequalities, pi, decimals, degrees), against grpo_gsm8k.grade in a loop in this process
    (quiet runs only). Both pools must give the serial verdicts.
@@ -15,7 +15,7 @@ warm spares).
    the verdicts that changed (target 0: a busy machine must not change a reward) and the time of each pass.
 Every copy of grade_batch (grpo_gsm8k, reinforce_math_fsdp2, pipeline_actor, eval) carries the same pool
 (tests/test_grading_cases.py), so grpo_gsm8k's stands for all of them.
-Run: python bench/grading.py [--load N [--threads T]] [--reps R] [--timeout-s 5]
+Run: python bench/grading.py [--load N [--threads T]] [--reps R] [--timeout-s 5] [--pebble-workers K]
 """
 
 import argparse
