@@ -10,6 +10,7 @@ workers can too.
 
 import importlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -153,7 +154,9 @@ def _check(grades, kinds):
 
 
 def _pids(m):
-    return [w[0].pid for w in m.GRADERS]
+    """Pids of the grading workers alive in this process: those of every copy's pool (pebble names its workers
+    `pebble_pool_worker`). Only `m`'s pool works during a test, so a change is a change in `m`'s pool."""
+    return sorted(p.pid for p in multiprocessing.active_children() if p.name == "pebble_pool_worker")
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -166,13 +169,13 @@ def test_grade_batch_pathological_mixed(module, timeout_s):
     kinds = [None, True, True, None, True, False]
     pids = _pids(m)
     t = time.monotonic()
-    grades = _batch(module, comps, golds, timeout_s=timeout_s, workers=2, backstop_s=BACKSTOP_S)
+    grades = _batch(module, comps, golds, timeout_s=timeout_s, backstop_s=BACKSTOP_S)
     elapsed = time.monotonic() - t
     print(f"{module}: 2 pathological + 4 normal, {timeout_s} CPU s per sample: {elapsed:.2f}s")
     assert elapsed < BACKSTOP_S
     _check(grades, kinds)
     assert grades[0].parse_error and grades[3].parse_error  # a timeout is a parse error, never a plain "wrong"
-    assert len(m.GRADERS) == 4 and all(w and w[0].is_alive() for w in m.GRADERS)  # 2 workers + 2 spares
+    assert len(m.GRADERS) == 1 and all(pool.active for pool in m.GRADERS.values())  # one pool, still running
     assert _pids(m) == pids  # each worker ended its stuck sample itself (CPU limit): none was killed
 
 
@@ -187,7 +190,7 @@ def test_grade_batch_all_pathological_then_normal(module):
     kinds = [None] * len(PATHOLOGICAL) + [k for _, _, k in NORMAL]
     pids = _pids(m)
     t = time.monotonic()
-    grades = _batch(module, comps, golds, timeout_s=1.0, workers=2, backstop_s=BACKSTOP_S)
+    grades = _batch(module, comps, golds, timeout_s=1.0, backstop_s=BACKSTOP_S)
     elapsed = time.monotonic() - t
     print(f"{module}: {len(PATHOLOGICAL)} pathological + {len(NORMAL)} normal: {elapsed:.2f}s")
     assert elapsed < BACKSTOP_S
@@ -207,12 +210,16 @@ def test_grade_batch_backstop_kills_stuck_worker(module):
     _batch(module, ["\\boxed{1}"], ["1"], timeout_s=30)
     pids = _pids(m)
     t = time.monotonic()
-    grades = _batch(module, PATHOLOGICAL[:2], ["5", "5"], timeout_s=600, workers=2, backstop_s=1.0)
+    grades = _batch(module, PATHOLOGICAL[:2], ["5", "5"], timeout_s=600, backstop_s=1.0)
     elapsed = time.monotonic() - t
     print(f"{module}: 2 pathological, backstop 1 s: {elapsed:.2f}s")
     assert grades == [m.Grade(0.0, False, True)] * 2
     assert elapsed < 30  # the backstop ended them (unkilled, each would run for minutes)
-    assert len(set(_pids(m)) - set(pids)) == 2  # two workers were killed and replaced
+    assert len(set(pids) - set(_pids(m))) == 2  # two workers were killed
+    deadline = time.monotonic() + 10
+    while len(set(_pids(m)) - set(pids)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # pebble starts the replacements just after it hands back the killed samples' verdicts
+    assert len(set(_pids(m)) - set(pids)) == 2  # and replaced
     _check(_batch(module, [c for c, _, _ in NORMAL], [g for _, g, _ in NORMAL], timeout_s=5), [k for _, _, k in NORMAL])
 
 
@@ -234,10 +241,7 @@ def test_grade_batch_under_load_changes_no_verdict():
     limit that tight turns those cases into parse errors here, where a worker gets a third of a core or less.
     A fresh pool, so that no worker has these cases in sympy's cache already; the whole file takes 10-20 s."""
     m = _load("grpo_gsm8k")
-    for w in m.GRADERS:  # a fresh pool
-        if w:
-            w[0].kill(), w[0].join(5)
-    m.GRADERS.clear()
+    m.stop_graders()  # a fresh pool
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
     try:
         time.sleep(0.5)
