@@ -78,8 +78,8 @@ def test_grade(module, case):
 def test_all_copies_agree():
     verdicts = {m: [tuple(_grade(m, c["completion"], c["gold"])) for c in CASES] for m in MODULES}
     first = verdicts[MODULES[0]]
-    for m, v in verdicts.items():
-        assert v == first, [i for i, (a, b) in enumerate(zip(v, first)) if a != b]
+    for v in verdicts.values():
+        assert v == first, [i for i, (a, b) in enumerate(zip(v, first, strict=True)) if a != b]
 
 
 def _grade_strict(name, completion, gold):
@@ -102,7 +102,7 @@ def test_all_strict_copies_agree():
         assert [tuple(g) for g in batch] == verdicts[m], m
     first = verdicts["eval"]
     for m, v in verdicts.items():
-        assert v == first, (m, [STRICT[i]["note"] for i, (a, b) in enumerate(zip(v, first)) if a != b])
+        assert v == first, (m, [STRICT[i]["note"] for i, (a, b) in enumerate(zip(v, first, strict=True)) if a != b])
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -146,7 +146,7 @@ BACKSTOP_S = 60.0
 
 
 def _check(grades, kinds):
-    for g, kind in zip(grades, kinds):
+    for g, kind in zip(grades, kinds, strict=True):
         if kind is None:  # pathological: must score 0
             assert g.reward == 0.0 and not g.correct
         else:
@@ -256,7 +256,7 @@ def test_grade_batch_under_load_changes_no_verdict():
     print(f"{len(CASES)} cases under 2 busy processes ({os.cpu_count()} threads each): {elapsed:.1f}s")
     changed = [
         (i, CASES[i]["note"], tuple(g))
-        for i, (g, c) in enumerate(zip(grades, CASES))
+        for i, (g, c) in enumerate(zip(grades, CASES, strict=True))
         if (g.correct, g.parse_error) != (c["correct"], c["parse_error"])
     ]
     assert changed == []
@@ -264,7 +264,6 @@ def test_grade_batch_under_load_changes_no_verdict():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_grade_batch_from_non_main_thread(module):
-    m = _load(module)
     out = {}
 
     def run():
@@ -284,7 +283,6 @@ def test_grade_batch_from_non_main_thread(module):
 
 @pytest.mark.parametrize("module", MODULES)
 def test_grade_batch_matches_grade(module):
-    m = _load(module)
     sample = CASES[::7]
     grades = _batch(module, [c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
     assert [(g.correct, g.parse_error) for g in grades] == [(c["correct"], c["parse_error"]) for c in sample]
