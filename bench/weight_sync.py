@@ -21,13 +21,17 @@ Run: .venv/bin/python bench/weight_sync.py [--shape qwen2.5-0.5b --dtype bfloat1
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +42,46 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from conftest import free_port, start_server, stop_server  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402 (tests/ holds the model builder the tests use too)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, log_path: str, *extra: str, timeout: float = 300):
+    """vllm_sync_server.py on a free port, on CPU; returns (process, url) once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port)]
+    cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra]
+    with open(log_path, "w") as log:  # the server keeps its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=1).ok:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"the server did not answer in {timeout} s: see {log_path}")
+
+
+def stop_server(proc) -> None:
+    """The server and every process it started (its engine and workers): they share its process group."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
 
 REPEATS = 9
 PACKED = 64 << 20  # bytes per buffer of the packed way
