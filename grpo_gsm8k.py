@@ -928,7 +928,7 @@ if __name__ == "__main__":
         masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
         trained = [0 if masked[i] else n_comp[i] for i in range(B)]  # tokens with a gradient, per sample
         B_fed = max(1, len(fed))
-        T_fed = max(1, sum(n_comp[i] for i in fed))  # completion tokens fed through the model
+        T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
         T_all = max(1, sum(trained[i] for i in fed))  # completion tokens with a gradient
 
         # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
@@ -1011,12 +1011,12 @@ if __name__ == "__main__":
             "avg_completion_length": new_tokens / B,
             "completion_tokens": new_tokens,
             "total_completion_tokens": total_tokens,
-            "entropy": stats["entropy_sum"] / T_fed,
+            "entropy": stats["entropy_sum"] / T_fed if T_fed else float("nan"),  # nan: no token was fed
             "completion_truncated_rate": float(np.mean(hit_limit)),
             "seq_len_truncated_rate": float(np.mean(cut)),
             "frac_reward_zero_std": float(np.mean(zero_std)),
             "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
-            "logprob_mismatch": stats["mismatch_sum"] / T_fed,
+            "logprob_mismatch": stats["mismatch_sum"] / T_fed if T_fed else float("nan"),
             "kl": stats.get("kl_sum", 0.0) / T_all,
             "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
             "skipped_steps": skipped,

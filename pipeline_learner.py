@@ -652,7 +652,7 @@ if __name__ == "__main__":
         fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i])]
         masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
         B_fed = max(1, len(fed))
-        T_fed = max(1, sum(n_comp[i] for i in fed))  # completion tokens fed through the model
+        T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
 
         # 3) loss and update: one optimizer step over all micro-batches of the records fed
         micro = [
@@ -717,7 +717,7 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(),
             "reward": sum(x["reward"] for x in batch) / B,
             "avg_completion_length": sum(n_comp) / B,
-            "entropy": entropy_sum / T_fed,
+            "entropy": entropy_sum / T_fed if T_fed else float("nan"),  # nan: no token was fed
             "completion_truncated_rate": sum(hit_limit) / B,
             "seq_len_truncated_rate": sum(cut) / B,
             "frac_reward_zero_std": sum(zero_std) / B,

@@ -984,11 +984,11 @@ if __name__ == "__main__":
             "avg_completion_length": tokens / n,
             "completion_tokens": int(tokens),
             "total_completion_tokens": int(total_tokens),
-            "entropy": entropy_all / max(tokens_fed, 1),
+            "entropy": entropy_all / tokens_fed if tokens_fed else float("nan"),  # nan: no token was fed
             "completion_truncated_rate": n_hit_limit / n,
             "seq_len_truncated_rate": n_cut / n,
             "frac_reward_zero_std": n_zero_std / n_groups,
-            "logprob_mismatch": mismatch / max(tokens_fed, 1),
+            "logprob_mismatch": mismatch / tokens_fed if tokens_fed else float("nan"),
             "version": version,
             "sync_s": sync_s,
             "step_s": time.time() - t0,

@@ -144,7 +144,8 @@ def test_skipping_zero_std_groups_drops_their_kl_term(model):
 def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_model, tmp_path):
     """The real script, two steps with both options on and a 3-token limit: most completions stop at the limit.
     Every step's completion_truncated_rate and frac_reward_zero_std equal what its rollout log shows, the entropy is
-    that of a distribution over the 128-token vocabulary, and a cut by --max-seq-len is counted apart."""
+    that of a distribution over the 128-token vocabulary (nan when every group was skipped: nothing went through the
+    model), and no sample was cut by --max-seq-len."""
     port = tp2_server.rsplit(":", 1)[1]
     cmd = [PY, os.path.join(ROOT, SCRIPT), "--model", toy_model, "--dataset", os.path.join(FIXTURES, "gsm8k_toy")]
     cmd += ["--vllm-port", port, "--max-completion-tokens", "3", "--rollouts-per-update", "4", "--group-size", "4"]
@@ -161,5 +162,8 @@ def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_m
         assert float(m["completion_truncated_rate"]) == pytest.approx(truncated)
         assert float(m["frac_reward_zero_std"]) == pytest.approx(zero_std)
         assert float(m["seq_len_truncated_rate"]) == 0.0  # 3 tokens fit the default --max-seq-len
-        assert 0.0 < float(m["entropy"]) <= math.log(128) + 1e-6
+        if zero_std == 1.0:  # every group skipped: no token went through the model, the entropy is unknown
+            assert math.isnan(float(m["entropy"]))
+        else:
+            assert 0.0 < float(m["entropy"]) <= math.log(128) + 1e-6
     assert any(float(m["completion_truncated_rate"]) > 0.5 for m in metrics)  # the limit did bite
