@@ -780,4 +780,4 @@ def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, description=__doc__))
