@@ -188,8 +188,8 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     policy softmax(logits / temperature), the distribution vLLM sampled from and reports logprobs of (its processed
     logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
     No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
-    [chunk, V] block alive). Returns the logprobs [N] and, from the same logits, the policy's entropy at those positions
-    [N] (a diagnostic: no gradient)."""
+    [chunk, V] block alive). Returns the logprobs [N] and the policy's entropy at those positions [N] (a diagnostic:
+    no gradient)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -199,19 +199,30 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
 
     def block(h_c, t_c):
         logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        log_z = torch.logsumexp(logits, dim=-1)  # [chunk]
-        logprobs = logits.gather(1, t_c[:, None])[:, 0] - log_z  # [chunk]
-        with torch.no_grad():  # H = -sum_v p_v log p_v = log Z - sum_v p_v z_v, with z = logits / temperature
-            entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)  # [chunk]
-        return logprobs, entropy
+        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
 
     blocks = [
         checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
         for i in range(0, h.shape[0], chunk)
     ]
-    logprobs = torch.cat([lp for lp, _ in blocks])  # [N]
-    entropy = torch.cat([e for _, e in blocks])  # [N]
-    return logprobs, entropy
+    return torch.cat(blocks), policy_entropy(model, h, temperature, chunk)  # [N], [N]
+
+
+def policy_entropy(model, h, temperature: float, chunk: int):
+    """The policy's entropy at each position of h [N, H], in nats: H = -sum_v p_v log p_v = log Z - sum_v p_v z_v with
+    z = logits / temperature. A diagnostic: no gradient, and a pass of its own over the lm_head (one more matmul per
+    chunk) rather than inside token_logprobs' checkpointed blocks, whose recomputation in backward would repeat it at
+    the moment memory peaks (bench/logprobs.py measures what it costs)."""
+    import torch
+
+    entropies = []
+    with torch.no_grad():
+        for i in range(0, h.shape[0], chunk):
+            z = model.lm_head(h[i : i + chunk]).float() / temperature  # [chunk, V]
+            log_z = torch.logsumexp(z, dim=-1)  # [chunk]
+            p_times_z = torch.softmax(z, dim=-1).mul_(z)  # [chunk, V], in place: one block besides z
+            entropies.append(log_z - p_times_z.sum(dim=-1))
+    return torch.cat(entropies)  # [N]
 
 
 def as_rows(flat, mask):
