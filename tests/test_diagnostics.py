@@ -128,17 +128,23 @@ def test_skipping_zero_std_groups_changes_only_the_normaliser(module, loss_type,
 
 def test_skipping_zero_std_groups_drops_their_kl_term(model):
     """What else changes: with --beta, the k3 KL penalty of a skipped group is not in the loss (its advantage was
-    zero, its KL term was not), so the gradients no longer agree up to the normaliser."""
+    zero, its KL term was not), so the full batch's gradient and the fed one's no longer agree up to the normaliser;
+    without --beta they do (the test above)."""
     seqs, n_prompt = batch()
-    ids, attn, mask, at = grpo_gsm8k.micro_batch(seqs, n_prompt, [0, 1, 2, 3], pad_id=0, device=CPU)
-    flat, _ = grpo_gsm8k.token_logprobs(model, ids, attn, at)
-    logprobs = grpo_gsm8k.as_rows(flat, mask)
-    advantages = grpo_gsm8k.group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2)
-    ref = logprobs.detach() + 0.1 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(1))
-    zero_adv_kl = grpo_gsm8k.policy_loss(
-        logprobs[:2], logprobs[:2].detach(), advantages[:2], mask[:2], ref_logprobs=ref[:2], beta=0.5
-    )
-    assert zero_adv_kl.item() > 0  # the skipped group's KL term, dropped by skipping
+    advantages = grpo_gsm8k.group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2)  # the first group: zeros
+
+    def grpo_loss_with_kl(rows):
+        ids, attn, mask, at = grpo_gsm8k.micro_batch(seqs, n_prompt, rows, pad_id=0, device=CPU)
+        flat, _ = grpo_gsm8k.token_logprobs(model, ids, attn, at)
+        logprobs = grpo_gsm8k.as_rows(flat, mask)
+        ref = logprobs.detach() + 0.1 * torch.ones_like(logprobs)  # a reference the policy has moved away from
+        return grpo_gsm8k.policy_loss(
+            logprobs, logprobs.detach(), advantages[rows], mask, ref_logprobs=ref, beta=0.5, max_completion_length=16
+        )
+
+    full = gradient(model, grpo_loss_with_kl([0, 1, 2, 3]))
+    fed = gradient(model, grpo_loss_with_kl([2, 3]))
+    assert (full * 4 / 2 - fed).abs().max() > 1e-3 * fed.abs().max()  # the skipped rows' KL gradient is missing
 
 
 def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_model, tmp_path):
