@@ -10,7 +10,10 @@ problems here, so this script's accuracy and grpo_gsm8k.py's reward mean the sam
   - `--n` samples per problem: accuracy of the first sample (the greedy one at temperature 0), and pass@k for
     k = 1, 2, 4, ... <= n with the unbiased estimator of Chen et al. 2021;
   - `--strict-format`: credit only for `<think>...</think>` followed by a boxed answer (the R1 format);
-  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py.
+  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py;
+  - `--base-url`: any OpenAI-compatible server (`vllm serve`, another engine) instead, through the official openai
+    client's chat completions: the same messages, hence the same prompt tokens where the server applies --model's
+    chat template, the same seeds, grading and output.
 
 What it leaves out, on purpose: few-shot prompts, answer-format hints beyond the system prompt, and majority voting.
 The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate, grade, summarise and write.
@@ -20,6 +23,9 @@ The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate
   # against a running server (it must serve --model), all of MATH-500, 8 samples per problem: pass@1..8
   python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct
   python eval.py --model Qwen/Qwen2.5-7B-Instruct --task math500 --limit 0 --n 8 --temperature 0.6 --max-tokens 2048
+  # any OpenAI-compatible server (the key, if it has one, in $VLLM_API_KEY)
+  vllm serve Qwen/Qwen2.5-0.5B-Instruct --port 8000
+  python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --base-url http://127.0.0.1:8000/v1
 """
 
 import atexit
