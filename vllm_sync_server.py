@@ -9,9 +9,10 @@ collective group it owns (NCCL on GPU, gloo on CPU); this server's workers join 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
   python vllm_sync_server.py --model ./tiny --dtype float32 --kv-cache-memory-bytes 67108864  # CPU
 
-Every `vllm serve` flag works here, spelled and meant the same (see `vllm serve --help`); this server's defaults differ
-in three: --host 127.0.0.1 (it takes weights: bind wider with --api-key), --generation-config vllm and --logprobs-mode
-processed_logprobs (what the sampler drew from). --api-key (or $VLLM_API_KEY) guards every route but /health.
+Every `vllm serve` flag works here, spelled and meant the same (`vllm serve --help`, or
+https://docs.vllm.ai/en/latest/cli/serve.html); this server's defaults differ in three: --host 127.0.0.1 (it takes
+weights: bind wider with --api-key), --generation-config vllm and --logprobs-mode processed_logprobs (what the sampler
+drew from). --api-key (or $VLLM_API_KEY) guards every route but /health.
 
 The protocol, in the order a trainer calls it:
   1. GET /health until it answers 200, then GET /runtime_version: the dtype weights travel in, sync_timeout_s, the
