@@ -440,7 +440,17 @@ def vllm_openai_server(model: str, port: int) -> list[str]:
     ]
 
 
-OPENAI_SERVERS = {"vllm": vllm_openai_server}  # name -> command(model, port): each is evaluated with --base-url
+def sync_openai_server(model: str, port: int) -> list[str]:
+    """vllm_sync_server.py, which serves vLLM's /v1 routes beside its own, keyed."""
+    return [
+        *(PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port)),
+        *("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"),
+        *("--api-key", KEY, "--override-generation-config", json.dumps(SERVER_DEFAULTS)),
+    ]
+
+
+# name -> command(model, port): each is evaluated with --base-url
+OPENAI_SERVERS = {"vllm": vllm_openai_server, "vllm_sync_server": sync_openai_server}
 
 
 @pytest.fixture(scope="module", params=list(OPENAI_SERVERS))
