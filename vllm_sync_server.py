@@ -661,6 +661,7 @@ def key_required(app, keys: list[str]):
 
 async def serve(args: Args, vllm_args) -> None:
     """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
+    from uvicorn.config import LOGGING_CONFIG
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -689,7 +690,7 @@ async def serve(args: Args, vllm_args) -> None:
             host=vllm_args.host,
             port=vllm_args.port,
             log_level=vllm_args.uvicorn_log_level,
-            log_config=get_uvicorn_log_config(vllm_args),
+            log_config=get_uvicorn_log_config(vllm_args) or LOGGING_CONFIG,  # (None would silence uvicorn's logs)
             access_log=not vllm_args.disable_uvicorn_access_log,
             ssl_keyfile=vllm_args.ssl_keyfile,
             ssl_certfile=vllm_args.ssl_certfile,
