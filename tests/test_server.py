@@ -4,6 +4,7 @@ One server (started with --api-key, so every call below but /health carries the 
 this module, in order; each test leaves it healthy for the next."""
 
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -758,3 +759,107 @@ def test_check_push_asks_only_for_siblings_the_model_has(check_push):
     assert check_push([meta(Q), meta(K)], specs, PACKED) is None
     assert check_push([meta(Q)], specs, PACKED) == f"parameter '{Q}' is fused with ['{K}'] in vLLM: send them together"
     assert check_push([meta(Q)], SPECS, {}) is None  # a model vLLM fuses nothing in
+
+
+# checkpoint_files and checkpoint_params, the checks of /load_checkpoint before anything loads: pure, without a server
+
+
+@pytest.fixture(scope="module")
+def ckpt_checks():
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from vllm_sync_server import checkpoint_files, checkpoint_params
+
+    return checkpoint_files, checkpoint_params
+
+
+@pytest.fixture
+def ckpt_tree(tmp_path):
+    """root/ holding a checkpoint file, a checkpoint directory and symlinks; outside/ a checkpoint beside it."""
+    from safetensors.torch import save_file
+
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    (root / "dir").mkdir(parents=True)
+    outside.mkdir()
+    tensors = {"model.norm.weight": torch.ones(128)}
+    for f in (root / "w.safetensors", root / "dir" / "b.safetensors", root / "dir" / "a.safetensors"):
+        save_file(tensors, f)
+    save_file(tensors, outside / "w.safetensors")
+    (root / "dir" / "notes.txt").write_text("not a checkpoint")
+    (root / "link_out.safetensors").symlink_to(outside / "w.safetensors")
+    (root / "link_in.safetensors").symlink_to(root / "w.safetensors")
+    (root / "link_dir_out").symlink_to(outside)
+    (root / "mixed").mkdir()
+    save_file(tensors, root / "mixed" / "a.safetensors")
+    (root / "mixed" / "b.safetensors").symlink_to(outside / "w.safetensors")
+    (root / "empty").mkdir()
+    return root, outside
+
+
+def test_checkpoint_files_inside_the_root(ckpt_checks, ckpt_tree):
+    checkpoint_files, _ = ckpt_checks
+    root, _ = ckpt_tree
+    real = os.path.realpath(root)
+    assert checkpoint_files(str(root / "w.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    # a directory: its *.safetensors files in name order, nothing else
+    assert checkpoint_files(str(root / "dir"), str(root)) == [f"{real}/dir/a.safetensors", f"{real}/dir/b.safetensors"]
+    # a symlink that stays inside, and a `..` that comes back inside: the resolved file
+    assert checkpoint_files(str(root / "link_in.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    assert checkpoint_files(str(root / "dir" / ".." / "w.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    assert checkpoint_files(str(root / "w.safetensors"), str(root) + "/") == [f"{real}/w.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no root", "relative", "outside", "dot-dot", "symlink out", "directory symlink out", "symlink in a directory",
+     "prefix sibling", "missing", "not safetensors", "empty directory"],
+)  # fmt: skip
+def test_checkpoint_files_refuses(ckpt_checks, ckpt_tree, case):
+    checkpoint_files, _ = ckpt_checks
+    root, outside = ckpt_tree
+    sibling = root.parent / "root2"  # shares the root's name as a prefix: still outside
+    sibling.mkdir()
+    (sibling / "w.safetensors").write_bytes((root / "w.safetensors").read_bytes())
+    path, given_root, message = {
+        "no root": (root / "w.safetensors", None, "start it with --checkpoint-root"),
+        "relative": ("root/w.safetensors", root, "not an absolute path"),
+        "outside": (outside / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "dot-dot": (root / ".." / "outside" / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "symlink out": (root / "link_out.safetensors", root, "outside this server's --checkpoint-root"),
+        "directory symlink out": (root / "link_dir_out" / "w.safetensors", root, "outside"),
+        "symlink in a directory": (root / "mixed", root, "is not a file inside this server's --checkpoint-root"),
+        "prefix sibling": (sibling / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "missing": (root / "nope.safetensors", root, "no such .safetensors file or directory"),
+        "not safetensors": (root / "dir" / "notes.txt", root, "no such .safetensors file or directory"),
+        "empty directory": (root / "empty", root, "holds no *.safetensors file"),
+    }[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checkpoint_files(str(path), given_root and str(given_root))
+
+
+def test_checkpoint_params_reads_the_headers_as_a_push_lists_them(ckpt_checks, tmp_path, check_push):
+    from safetensors.torch import save_file
+
+    _, checkpoint_params = ckpt_checks
+    f = tmp_path / "w.safetensors"
+    save_file({"b": torch.zeros(3, 4, dtype=torch.bfloat16), "a": torch.zeros(2)}, f, metadata={"format": "pt"})
+    params = checkpoint_params([str(f)])
+    assert sorted(params, key=lambda p: p["name"]) == [
+        {"name": "a", "dtype": "float32", "shape": [2]},
+        {"name": "b", "dtype": "bfloat16", "shape": [3, 4]},
+    ]
+    # the same tensor in two files is listed twice, and check_push says so
+    assert check_push(checkpoint_params([str(f), str(f)]), {"a": {"dtype": F32, "shape": [2]}}, {}) is not None
+    # a wrong shape, dtype or a fused part alone in a checkpoint get a push's messages
+    save_file({NORM: torch.zeros(7)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["shape"][1]
+    save_file({EMBED: torch.zeros(384, 128, dtype=torch.bfloat16)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["dtype"][1]
+    save_file({Q: torch.zeros(128, 128)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["q without k and v"][1]
+    for junk in (b"", b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", b"\xff" * 8, b"\x02\x00\x00\x00\x00\x00\x00\x00[]"):
+        f.write_bytes(junk)
+        with pytest.raises(ValueError, match="is not a safetensors file"):
+            checkpoint_params([str(f)])
