@@ -26,6 +26,9 @@ The protocol, in the order a trainer calls it:
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
      /get_num_background_tasks, /reset_prefix_cache and /close_communicator.
+  Without a group (a trainer and a server that cannot reach each other's ports but share a file system): POST
+  /load_checkpoint {path, version?}, a safetensors file (or a directory of them) under --checkpoint-root, checked and
+  loaded as a push of the same tensors.
 """
 
 import asyncio
@@ -159,9 +162,11 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF1
 def checkpoint_params(files: list[str]) -> list[dict]:
     """[{name, dtype, shape}] of every tensor in the safetensors `files`, read from their headers alone (8 bytes of
     header length, then JSON), in check_push's form: a checkpoint is checked as a push of the same tensors would be.
-    Raises ValueError for a file that is not safetensors."""
+    Raises ValueError for a file that is not safetensors, or whose data is shorter or longer than its header says (a
+    truncated file would otherwise fail in the workers, after other files loaded)."""
     params = []
     for f in files:
+        data_end = 0  # where the header says the last tensor's bytes end
         with open(f, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
             if not 2 <= size <= 100 << 20:  # (safetensors' own bound on a header)
@@ -175,10 +180,16 @@ def checkpoint_params(files: list[str]) -> list[dict]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            shape = info.get("shape") if isinstance(info, dict) else None
+            well_formed = isinstance(shape, list) and "dtype" in info and isinstance(offsets, list)
+            if not well_formed or not all(isinstance(x, int) for x in offsets):
                 raise ValueError(f"{f!r} is not a safetensors file (tensor {name!r}: {info!r})")
-            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"), info.get("dtype"))
+            dtype = SAFETENSORS_DTYPES.get(str(info["dtype"]), str(info["dtype"]))
             params.append({"name": name, "dtype": dtype, "shape": info["shape"]})
+            data_end = max([data_end, *offsets])
+        if 8 + size + data_end != os.path.getsize(f):
+            raise ValueError(f"{f!r} is truncated or corrupt: its header promises {data_end} bytes of tensor data")
     return params
 
 
@@ -596,7 +607,7 @@ def completion_json(c) -> dict:
 def add_routes(app, args: Args, state: ServerState) -> None:
     """Our routes, on vLLM's app: /generate, the weight sync, and what a trainer reads about them."""
     from fastapi import HTTPException
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, Field
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -738,6 +749,20 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         # a task of its own: the receive completes only once the trainer, told by line 1, broadcasts
         task = asyncio.create_task(receive_push(args, state, params, req.version))
         return two_lines({"status": "receiving", "num_params": len(params)}, task)
+
+    class CheckpointRequest(BaseModel):
+        path: str  # a safetensors file or a directory of them, under --checkpoint-root
+        version: Optional[int] = None  # default: the current version + 1
+
+    @app.post("/load_checkpoint")
+    async def load_checkpoint_route(req: CheckpointRequest):
+        if state.updating:
+            raise HTTPException(409, "another weight update is running")
+        try:
+            done = await load_checkpoint(args, state, req.path, req.version)
+        except ValueError as e:  # refused before anything was read into the engine
+            raise HTTPException(400, str(e)) from e
+        return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

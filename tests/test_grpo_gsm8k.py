@@ -17,6 +17,7 @@ from conftest import (
     ROOT,
     assert_learned,
     assert_seed_streams_distinct,
+    free_port,
     import_script,
     load_weights,
     max_abs_diff,
@@ -421,6 +422,41 @@ def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
     _, m = run_script(tp2_server, tmp_path, "--train-steps", "2", "--verify-sync", model=toy_model)
     assert [int(x["version"]) for x in m] == [1, 2]
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
+
+
+def test_checkpoint_transport(toy_model, tmp_path):
+    """--sync-transport checkpoint: no collective group at all; after every step the weights are saved in the server's
+    dtype under --sync-dir and loaded by the server (--verify-sync: its checksums equal the trainer's), the sampler
+    then agrees with the trainer, and only the last file is left. --start-server makes --sync-dir the server's
+    --checkpoint-root."""
+    from safetensors.torch import load_file
+
+    server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
+    _, m = run_script(
+        f"http://127.0.0.1:{free_port()}",
+        tmp_path,
+        "--train-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--verify-sync",
+        "--sync-transport",
+        "checkpoint",
+        "--sync-dir",
+        "sync",
+        "--start-server",
+        f"--server-args={server_args}",
+        *HOT,
+        model=toy_model,
+    )
+    assert [int(x["version"]) for x in m] == [1, 2], m
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # step 2 sampled with step 1's loaded weights
+    assert os.listdir(tmp_path / "sync") == ["weights_v2.safetensors"]
+    saved = load_file(tmp_path / "sync" / "weights_v2.safetensors")
+    step_2 = load_weights(tmp_path / "ckpt" / "step_2")
+    assert saved.keys() == step_2.keys() and max_abs_diff(saved, step_2) == 0
+    log = (tmp_path / "vllm_server.log").read_text()
+    assert "/load_checkpoint" in log and "/init_communicator" not in log
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
