@@ -373,11 +373,11 @@ def transports(shape: str, dtype: str, tmp: str) -> None:
     root = os.path.join(tmp, "checkpoint-root")  # the server's --checkpoint-root
     restart_dir = os.path.join(root, "restart")  # a Hugging Face checkpoint: the model's files, new weights
     shutil.copytree(model_dir, restart_dir)
-    nbytes = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    base = load_file(os.path.join(model_dir, "model.safetensors"))  # (fp32: the shapes, the new weights' base)
+    nbytes = sum(v.numel() for v in base.values()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     flags = ["--max-num-seqs", "8", "--dtype", dtype, "--checkpoint-root", root]
-    print(f"model: {shape}, {nbytes / 1e6:.1f} MB of {dtype} weights; {TRANSPORT_ROUNDS} rounds")
+    print(f"model: {shape}, {len(base)} tensors, {nbytes / 1e6:.1f} MB in {dtype}; {TRANSPORT_ROUNDS} rounds")
     proc, url = start_server(model_dir, os.path.join(tmp, "server-0.log"), *flags)
-    base = load_file(os.path.join(model_dir, "model.safetensors"))
     times = {}  # way -> [seconds]
     parts = {}  # way, part -> [seconds]
     try:
