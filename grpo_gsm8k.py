@@ -653,7 +653,7 @@ def push_weights(sync: dict, model, version: int) -> dict:
 def init_checkpoint_sync(url: str, sync_dir: str) -> dict:
     """The checkpoint transport's end: no group, only the directory the server loads from and the dtype it computes
     in. The path posted is absolute: the server resolves it, not relative to this process's directory."""
-    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     os.makedirs(sync_dir, exist_ok=True)
     return {"url": url, "dir": os.path.abspath(sync_dir), "dtype": info["dtype"], "previous": None}
 
