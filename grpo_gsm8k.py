@@ -120,6 +120,17 @@ class Args:
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
+    sync_transport: Literal["collective", "shared"] = "collective"
+    """how pushed weights travel: `collective` (a group with the server's workers: NCCL on GPU, gloo on CPU) or
+    `shared` (a staging buffer of this trainer's that a server on this machine maps: CUDA IPC on one GPU, a /dev/shm
+    file on CPU); one GPU with --start-server: `shared`"""
+    staging_mib: int = 0
+    """shared transport: the staging buffer's size in MiB, a window reused in rounds (0: the whole model at once)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """with --start-server on one GPU: the fraction of its memory vLLM may take (the trainer has the rest)"""
+    vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
+    """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
+    0: never); default: 2 when the server shares this trainer's GPU, else 0"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
 
@@ -611,6 +622,8 @@ def push_weights(sync: dict, model, version: int) -> dict:
     slower in bench/weight_sync.py. Returns the server's report."""
     import torch
 
+    if sync.get("transport") == "shared":
+        return push_shared(sync, model, version)
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
@@ -637,6 +650,140 @@ def push_weights(sync: dict, model, version: int) -> dict:
         )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
+    done = next(answer)
+    if done["status"] != "ok":
+        raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
+    return done
+
+
+def staging_layout(numels: list[int], window: Optional[int], align: int = 64) -> tuple[list[tuple[int, int]], int]:
+    """Where each tensor (of `numels` elements, in push order) goes in the shared transport's staging buffer: its
+    (round, element offset), each offset a multiple of `align` elements (whole cache lines for the copies). With a
+    `window` (elements) a tensor that does not fit in what is left of the window starts the next round at 0;
+    without, all go in round 0. Returns the places and the buffer's size in elements (a window grows to the largest
+    tensor: a tensor is never split)."""
+    cap = max(window, max(numels)) if window else None
+    places = []
+    round_ = 0
+    offset = 0  # where the next tensor may start in the current round
+    size = 0
+    for n in numels:
+        if cap is not None and offset > 0 and offset + n > cap:
+            round_ += 1
+            offset = 0
+        places.append((round_, offset))
+        size = max(size, offset + n)
+        offset = -(-(offset + n) // align) * align  # rounded up
+    return places, size
+
+
+def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
+    """The shared transport: this trainer owns one flat staging buffer in the server's dtype, and the server's worker
+    maps it once (the server runs on this machine: one GPU is enough, since no NCCL group joins two ranks on it). On
+    CUDA the buffer is GPU memory shared by CUDA IPC (the fields of torch's reduce_tensor, as JSON, and the GPU's
+    UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): rounds written (ours) and
+    rounds copied (the server's), for a window reused in rounds. Both files are unlinked once mapped: a killed trainer
+    leaves nothing behind in /dev/shm."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    if info["device"] != device.type:  # CUDA IPC and /dev/shm each need both ends on one kind of device
+        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
+    dtype = getattr(torch, info["dtype"])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numels = [p.numel() for p in model.parameters()]
+    places, numel = staging_layout(numels, (staging_mib << 20) // itemsize if staging_mib else None)
+    stem = f"/dev/shm/cleanrlvr-{os.getpid()}-{os.urandom(4).hex()}"
+    control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)  # (creates the file)
+    control.zero_()
+    spec = {"device": device.type, "dtype": info["dtype"], "numel": numel, "control": stem + ".control"}
+    files = [stem + ".control"]
+    if device.type == "cuda":
+        buffer = torch.empty(numel, dtype=dtype, device=device)  # [numel]
+        # reduce_tensor's rebuild arguments (torch/multiprocessing/reductions.py); the tensor and storage classes,
+        # shape, stride and device index are the server's to fix, the rest travels as plain JSON
+        (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event, sync) = (
+            reduce_tensor(buffer)[1]
+        )
+        spec |= {
+            "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
+            "handle": base64.b64encode(handle).decode(),
+            "storage_size_bytes": size_bytes,
+            "storage_offset_bytes": offset_bytes,
+            "ref_counter_handle": base64.b64encode(rc_handle).decode(),
+            "ref_counter_offset": rc_offset,
+            "event_handle": base64.b64encode(event or b"").decode(),
+            "event_sync_required": bool(sync),
+            "tensor_offset": tensor_offset,
+        }
+    else:
+        buffer = torch.from_file(stem + ".buffer", shared=True, size=numel, dtype=dtype)  # [numel]
+        spec["path"] = stem + ".buffer"
+        files.append(stem + ".buffer")
+    wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after one collective queued before ours
+    try:
+        answer = lines(
+            post(url, "/init_communicator", {"transport": "shared", "shared": spec}, stream=True, timeout=wait_s)
+        )
+        next(answer)  # "mapping"
+        done = next(answer)
+    finally:
+        for f in files:  # mapped (or refused): the mappings keep the memory, the names go
+            os.unlink(f)
+    if done["status"] != "ok":
+        raise RuntimeError(f"{url}/init_communicator (shared transport) failed: {done}")
+    return {
+        "url": url,
+        "transport": "shared",
+        "buffer": buffer,
+        "control": control,
+        "places": places,
+        "dtype": info["dtype"],
+        "device": device,
+        "timeout_s": wait_s,
+        "round_timeout_s": info["sync_timeout_s"],
+    }
+
+
+def push_shared(sync: dict, model, version: int) -> dict:
+    """Write every parameter into its slice of the staging buffer (cast to the server's dtype: the one copy on this
+    side), round by round, and post /update_param_batch with each slice's offset and round: the server copies each
+    slice into the engine's tensor. Round 0 is written before the request; round r once the server marked round r-1
+    copied out of the window. Returns the server's report."""
+    import torch
+
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    buffer = sync["buffer"]  # [numel], the server's dtype
+    control = sync["control"]  # [2] int64: rounds written (ours), rounds copied (the server's)
+    places = sync["places"]
+    params = [
+        {"name": n, "dtype": sync["dtype"], "shape": list(p.shape), "offset": offset, "round": round_}
+        for (n, p), (round_, offset) in zip(named, places, strict=True)
+    ]
+
+    def write(round_: int) -> None:
+        for (_, p), (r, offset) in zip(named, places, strict=True):
+            if r == round_:
+                buffer[offset : offset + p.numel()].view_as(p).copy_(p)
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()  # our writes are in GPU memory before the server reads them
+        control[0] = round_ + 1
+
+    control.zero_()  # (the last push's server copied every round: the count starts again)
+    write(0)
+    body = {"params": params, "version": version}
+    answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
+    next(answer)  # "receiving": the server checked the metadata and copies round 0
+    for round_ in range(1, places[-1][0] + 1):
+        deadline = time.monotonic() + sync["round_timeout_s"]
+        while control[1].item() < round_:  # the server still copies round_ - 1 out of the window
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{sync['url']} did not copy round {round_ - 1} in time: {next(answer, {})}")
+            time.sleep(0.0002)
+        write(round_)
     done = next(answer)
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
@@ -705,9 +852,14 @@ def physical_gpu(index: int) -> str:
     return ids[index]
 
 
-def start_vllm_server(args: Args, log_path: str):
-    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
+def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_level: int = 0):
+    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
+    (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
+    this trainer updates."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
+    colocation = ["--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)] if colocated else []
+    if sleep_level:
+        colocation.append("--enable-sleep-mode")
     cmd = [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
@@ -717,6 +869,7 @@ def start_vllm_server(args: Args, log_path: str):
         args.vllm_host,
         "--port",
         str(args.vllm_port),
+        *colocation,
         *shlex.split(args.server_args),
     ]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
@@ -765,12 +918,13 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
-    if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
-        raise SystemExit(
-            "--start-server needs two visible GPUs, one for the server and one for training: the weight "
-            "sync's NCCL group cannot have both ends on one GPU. Make a second GPU visible, or start "
-            "vllm_sync_server.py yourself on another GPU or machine and pass --vllm-host/--vllm-port."
+    colocated = args.start_server and n_gpu == 1  # one GPU: the server beside this trainer, on the same GPU
+    if colocated and args.sync_transport == "collective":  # NCCL refuses two ranks on one GPU ("Duplicate GPU")
+        print(
+            "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
         )
+        args.sync_transport = "shared"
+    sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else (2 if colocated else 0)
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
@@ -786,7 +940,7 @@ if __name__ == "__main__":
     )
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
-        start_vllm_server(args, "vllm_server.log")
+        start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
     loggers = set(args.logger.split(","))
     if "wandb" in loggers:
         import wandb
@@ -852,7 +1006,10 @@ if __name__ == "__main__":
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    sync = init_weight_sync(url, device, args.sync_host)
+    if args.sync_transport == "shared":
+        sync = init_shared_sync(url, device, model, args.staging_mib)
+    else:
+        sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
@@ -942,7 +1099,11 @@ if __name__ == "__main__":
         T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
         T_all = max(1, sum(trained[i] for i in fed))  # completion tokens with a gradient
 
-        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
+        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
+        # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
+        pushes = (step + 1) % args.sync_every_steps == 0
+        if sleep_level:
+            post(url, "/sleep", {"level": sleep_level if pushes else 1})
         micro = [
             [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
         ]
@@ -1003,13 +1164,19 @@ if __name__ == "__main__":
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
         step += 1
-        # 6) push weights to vLLM
+        # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
         sync_s = 0.0
+        if sleep_level:
+            post(url, "/wake_up", {"tags": ["weights"]})
         if not bad and step % args.sync_every_steps == 0:
             version += 1
             sync_s = push_weights(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
+        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
+            push_weights(sync, model, version)
+        if sleep_level:
+            post(url, "/wake_up", {})
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens
