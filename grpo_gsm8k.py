@@ -6,7 +6,8 @@ score each with a verifiable reward (1 if the last \\boxed{} answer equals the g
 the group's mean (optionally over the group's std) as every token's advantage. The policy maximises the clipped ratio
 objective of PPO; a KL penalty to a frozen reference is optional (off by default, as in DAPO and Dr. GRPO).
   - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a collective
-    group after every `--sync-every-steps` updates; its sampling logprobs are returned too;
+    group, or from a staging buffer it maps (one GPU for both), after every `--sync-every-steps` updates; its
+    sampling logprobs are returned too;
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
@@ -14,10 +15,13 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
 
 What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
 (reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), LoRA and a
-packed-sequence attention kernel. The whole algorithm is the ALGO LOGIC section and the loop at the bottom.
+packed-sequence attention kernel. The shared transport and vLLM's sleep mode (one GPU for both) are this script's
+alone: reinforce_math_fsdp2.py and the pipeline push over the collective group. The whole algorithm is the ALGO LOGIC
+section and the loop at the bottom.
 
-  # vLLM on GPU 0 (started for you), training on GPU 1
+  # one GPU: vLLM beside the trainer (30% of the GPU, asleep while the trainer updates), weights through its memory
   python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
+  # two GPUs: the same command puts vLLM on GPU 0 and trains on GPU 1
   # or against a server you started yourself
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
@@ -681,15 +685,15 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
     """The shared transport: this trainer owns one flat staging buffer in the server's dtype, and the server's worker
     maps it once (the server runs on this machine: one GPU is enough, since no NCCL group joins two ranks on it). On
     CUDA the buffer is GPU memory shared by CUDA IPC (the fields of torch's reduce_tensor, as JSON, and the GPU's
-    UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): rounds written (ours) and
-    rounds copied (the server's), for a window reused in rounds. Both files are unlinked once mapped: a killed trainer
-    leaves nothing behind in /dev/shm."""
+    UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): tensors written (ours) and
+    tensors copied (the server's), so that the copies on both sides overlap and a window can be reused in rounds.
+    Both files are unlinked once mapped: a killed trainer leaves nothing behind in /dev/shm."""
     import base64
 
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     if info["device"] != device.type:  # CUDA IPC and /dev/shm each need both ends on one kind of device
         raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
     dtype = getattr(torch, info["dtype"])
@@ -749,41 +753,36 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
 
 
 def push_shared(sync: dict, model, version: int) -> dict:
-    """Write every parameter into its slice of the staging buffer (cast to the server's dtype: the one copy on this
-    side), round by round, and post /update_param_batch with each slice's offset and round: the server copies each
-    slice into the engine's tensor. Round 0 is written before the request; round r once the server marked round r-1
-    copied out of the window. Returns the server's report."""
+    """Post /update_param_batch with each parameter's slice of the staging buffer (offset, round), then write every
+    parameter into its slice (cast to the server's dtype: the one copy on this side), counting each one written:
+    the server copies each into the engine's tensor as soon as it is counted, while we write the next (the two copies
+    overlap). The first tensor of round r waits until the server counted round r - 1 copied out of the window.
+    Returns the server's report."""
     import torch
 
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     buffer = sync["buffer"]  # [numel], the server's dtype
-    control = sync["control"]  # [2] int64: rounds written (ours), rounds copied (the server's)
+    control = sync["control"]  # [2] int64: tensors written (ours), tensors copied (the server's)
     places = sync["places"]
     params = [
         {"name": n, "dtype": sync["dtype"], "shape": list(p.shape), "offset": offset, "round": round_}
         for (n, p), (round_, offset) in zip(named, places, strict=True)
     ]
-
-    def write(round_: int) -> None:
-        for (_, p), (r, offset) in zip(named, places, strict=True):
-            if r == round_:
-                buffer[offset : offset + p.numel()].view_as(p).copy_(p)
-        if buffer.is_cuda:
-            torch.cuda.current_stream().synchronize()  # our writes are in GPU memory before the server reads them
-        control[0] = round_ + 1
-
-    control.zero_()  # (the last push's server copied every round: the count starts again)
-    write(0)
+    control.zero_()  # (the last push's server copied every tensor: the counts start again)
     body = {"params": params, "version": version}
     answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
-    next(answer)  # "receiving": the server checked the metadata and copies round 0
-    for round_ in range(1, places[-1][0] + 1):
-        deadline = time.monotonic() + sync["round_timeout_s"]
-        while control[1].item() < round_:  # the server still copies round_ - 1 out of the window
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{sync['url']} did not copy round {round_ - 1} in time: {next(answer, {})}")
-            time.sleep(0.0002)
-        write(round_)
+    next(answer)  # "receiving": the server checked the metadata and copies each tensor once counted
+    for i, ((_, p), (round_, offset)) in enumerate(zip(named, places, strict=True)):
+        if i > 0 and round_ != places[i - 1][0]:  # a new round over the window: the last one must be copied out
+            deadline = time.monotonic() + sync["round_timeout_s"]
+            while control[1].item() < i:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{sync['url']} did not copy round {round_ - 1} in time: {next(answer, {})}")
+                time.sleep(0.0002)
+        buffer[offset : offset + p.numel()].view_as(p).copy_(p)
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()  # in GPU memory before the server's copy reads it
+        control[0] = i + 1
     done = next(answer)
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
@@ -1166,7 +1165,9 @@ if __name__ == "__main__":
         step += 1
         # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
         sync_s = 0.0
-        if sleep_level:
+        if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
             post(url, "/wake_up", {"tags": ["weights"]})
         if not bad and step % args.sync_every_steps == 0:
             version += 1

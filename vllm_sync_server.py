@@ -609,8 +609,10 @@ async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> d
         async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
             # every worker connects to the trainer's store and joins the group, while the trainer joins as rank 0
             # (the request's fields are the method's arguments: host, port, world_size, rank_offset, connections)
-            await collective(args, state, "sync_init_communicator", **req.model_dump(), timeout_s=args.sync_timeout_s)
-        state.communicator = {**req.model_dump(exclude={"rank_offset"}), "ranks": ranks}
+            fields = req.model_dump(exclude={"transport", "shared"})  # (the shared transport's: see map_shared)
+            await collective(args, state, "sync_init_communicator", **fields, timeout_s=args.sync_timeout_s)
+        state.communicator = {**fields, "transport": "collective", "ranks": ranks}
+        state.communicator.pop("rank_offset")
         return {"status": "ok", **state.communicator}
     except Exception as e:
         state.communicator = None

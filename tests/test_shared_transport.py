@@ -187,30 +187,24 @@ class SharedClient:
         return params
 
     def push(self, named: dict, stop_after_round: int | None = None) -> dict | None:
-        """Write round by round, each after the server marked the one before copied. stop_after_round=k: write rounds
-        0..k, then return without writing more (the caller dies mid-push, for tests)."""
+        """Post the push, then write each tensor and count it written (control word 0); the first tensor of a round
+        waits until the server counted every tensor before it copied (word 1). stop_after_round=k: write rounds 0..k,
+        then return without writing more (the caller dies mid-push, for tests)."""
         params = self.layout(named)
-        tensors = list(named.values())
         self.control.zero_()
-
-        def write(round_):
-            for p, t in zip(params, tensors, strict=True):
-                if p["round"] == round_:
-                    self.buffer[p["offset"] : p["offset"] + t.numel()] = t.reshape(-1)
-            self.control[0] = round_ + 1
-
-        write(0)
         r = requests.post(self.url + "/update_param_batch", json={"params": params}, stream=True, timeout=120)
         if not r.ok:
             return r
         lines = (json.loads(x) for x in r.iter_lines() if x)
         assert next(lines)["status"] == "receiving"
-        for round_ in range(1, params[-1]["round"] + 1):
-            if stop_after_round is not None and round_ > stop_after_round:
-                return None
-            while self.control[1].item() < round_:
-                time.sleep(0.001)
-            write(round_)
+        for i, (p, t) in enumerate(zip(params, named.values(), strict=True)):
+            if i > 0 and p["round"] != params[i - 1]["round"]:
+                if stop_after_round is not None and p["round"] > stop_after_round:
+                    return None
+                while self.control[1].item() < i:
+                    time.sleep(0.001)
+            self.buffer[p["offset"] : p["offset"] + t.numel()] = t.reshape(-1)
+            self.control[0] = i + 1
         return next(lines)
 
 
@@ -222,8 +216,10 @@ class SharedClient:
 def server(tmp_path_factory, request):
     model = build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
     log = str(tmp_path_factory.mktemp("server") / "server.log")
-    flags = [] if request.param == "direct" else ["--no-direct-load"]
+    flags = ["--enable-sleep-mode"] if request.param == "direct" else ["--no-direct-load"]  # (CPU: sleep mode ignored)
     proc, url = start_server(model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S))
+    if request.param == "direct":
+        assert "--enable-sleep-mode ignored" in Path(log).read_text()
     yield url, model, proc.pid, request.param == "direct"
     stop_server(proc)
 
