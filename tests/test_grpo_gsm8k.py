@@ -2,6 +2,7 @@
 vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the script is tested by changing SCRIPT."""
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -507,4 +508,4 @@ def test_help_is_fast():
     t0 = time.time()
     r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
-    assert "--sync-transport {collective,shared" in r.stdout and "--vllm-sleep-level" in r.stdout
+    assert re.search(r"--sync-transport \{[a-z,]*shared", r.stdout) and "--vllm-sleep-level" in r.stdout
