@@ -22,6 +22,10 @@ The protocol, in the order a trainer calls it:
   3. Every push: POST /update_param_batch {params: [{name, dtype, shape}], version?}, checked first (a 400 names the
      parameter). Line 1 ("receiving"): broadcast each tensor now, in that order; line 2: the report (version,
      num_params, direct, paused, seconds) or the error.
+  2-3 on one machine (one GPU is enough): the shared transport. POST /init_communicator {transport: "shared", shared}
+     names a staging buffer of the trainer's (CUDA IPC fields, or a /dev/shm file) that the worker maps; each push's
+     params add offset and round, and the trainer writes the tensors into the buffer instead of broadcasting them.
+     POST /sleep {level} and /wake_up {tags?} free vLLM's GPU memory while the trainer updates (--enable-sleep-mode).
   4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it), vLLM's
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
