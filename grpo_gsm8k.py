@@ -124,10 +124,12 @@ class Args:
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
-    sync_transport: Literal["collective", "shared"] = "collective"
-    """how pushed weights travel: `collective` (a group with the server's workers: NCCL on GPU, gloo on CPU) or
-    `shared` (a staging buffer of this trainer's that a server on this machine maps: CUDA IPC on one GPU, a /dev/shm
-    file on CPU); one GPU with --start-server: `shared`"""
+    sync_transport: Literal["collective", "shared", "checkpoint"] = "collective"
+    """how the weights reach the server: `collective` broadcasts them over a group this trainer hosts (NCCL on GPU,
+    gloo on CPU); `shared` writes them into a staging buffer of this trainer's that a server on this machine maps
+    (CUDA IPC on one GPU, a /dev/shm file on CPU; one GPU with --start-server: `shared`); `checkpoint` saves them
+    under --sync-dir and the server loads the file (no group: for a server that cannot reach this trainer's ports but
+    shares its file system)"""
     staging_mib: int = 0
     """shared transport: the staging buffer's size in MiB, a window reused in rounds (0: the whole model at once)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -135,6 +137,9 @@ class Args:
     vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
     """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
     0: never); default: 2 when the server shares this trainer's GPU, else 0"""
+    sync_dir: str = "sync_checkpoints"
+    """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
+    --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
 
@@ -789,6 +794,35 @@ def push_shared(sync: dict, model, version: int) -> dict:
     return done
 
 
+def init_checkpoint_sync(url: str, sync_dir: str) -> dict:
+    """The checkpoint transport's end: no group, only the directory the server loads from and the dtype it computes
+    in. The path posted is absolute: the server resolves it, not relative to this process's directory."""
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    os.makedirs(sync_dir, exist_ok=True)
+    return {"url": url, "dir": os.path.abspath(sync_dir), "dtype": info["dtype"], "previous": None}
+
+
+def save_and_load_weights(sync: dict, model, version: int) -> dict:
+    """Save every parameter, cast to the server's dtype, under the names push_weights sends, as one safetensors file;
+    POST /load_checkpoint with its path; delete the previous file. The file is written under a temporary name and
+    renamed (atomic on one file system): the server never reads half a file. Returns the server's report, `seconds`
+    counting the save too."""
+    import torch
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    dtype = getattr(torch, sync["dtype"])
+    tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
+    path = os.path.join(sync["dir"], f"weights_v{version}.safetensors")
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    done = post(sync["url"], "/load_checkpoint", {"path": path, "version": version}).json()
+    if sync["previous"] not in (None, path):  # the server holds the new weights: the old file is of no more use
+        os.remove(sync["previous"])
+    sync["previous"] = path
+    return {**done, "seconds": time.perf_counter() - t0}
+
+
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
     import torch
@@ -871,6 +905,9 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
         *colocation,
         *shlex.split(args.server_args),
     ]
+    if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
+        os.makedirs(args.sync_dir, exist_ok=True)
+        cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -1005,11 +1042,16 @@ if __name__ == "__main__":
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    if args.sync_transport == "shared":
+    if args.sync_transport == "checkpoint":
+        sync = init_checkpoint_sync(url, args.sync_dir)
+        push = save_and_load_weights
+    elif args.sync_transport == "shared":
         sync = init_shared_sync(url, device, model, args.staging_mib)
+        push = push_weights  # (which writes into the staging buffer: see push_shared)
     else:
         sync = init_weight_sync(url, device, args.sync_host)
-    push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+        push = push_weights
+    push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
         results = generate(
@@ -1171,11 +1213,11 @@ if __name__ == "__main__":
             post(url, "/wake_up", {"tags": ["weights"]})
         if not bad and step % args.sync_every_steps == 0:
             version += 1
-            sync_s = push_weights(sync, model, version)["seconds"]
+            sync_s = push(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
         elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
-            push_weights(sync, model, version)
+            push(sync, model, version)
         if sleep_level:
             post(url, "/wake_up", {})
         # 7) log, evaluate, checkpoint

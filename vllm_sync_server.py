@@ -30,6 +30,9 @@ The protocol, in the order a trainer calls it:
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
      /get_num_background_tasks, /reset_prefix_cache and /close_communicator.
+  Without a group (a trainer and a server that cannot reach each other's ports but share a file system): POST
+  /load_checkpoint {path, version?}, a safetensors file (or a directory of them) under --checkpoint-root, checked and
+  loaded as a push of the same tensors.
 """
 
 import asyncio
@@ -56,6 +59,8 @@ class Args:
     direct_load: bool = True
     """receive pushed tensors straight into the engine's weights when the model allows (TP=1, unquantized);
     off: vLLM's layerwise reload"""
+    checkpoint_root: Optional[str] = None
+    """directory whose safetensors files (symlinks and `..` resolved) POST /load_checkpoint may load; none without it"""
 
 
 VLLM_DEFAULTS = {
@@ -241,6 +246,70 @@ def check_shared_slices(params: list[dict], numel: int) -> Optional[str]:
     return None
 
 
+def checkpoint_files(path: str, root: Optional[str]) -> list[str]:
+    """The safetensors files of the checkpoint at `path` (a .safetensors file, or a directory of them), each with its
+    symlinks and `..` resolved, all inside `root` (the server's --checkpoint-root). Raises ValueError saying why not:
+    the route's 400, before anything is read. The workers open the resolved paths, never `path` itself."""
+    if root is None:
+        raise ValueError("this server loads no checkpoints: start it with --checkpoint-root DIR")
+    if not os.path.isabs(path):  # relative to what? the trainer's directory is not this server's
+        raise ValueError(f"{path!r} is not an absolute path")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)  # every symlink and `..` resolved: where the bytes really are
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ValueError(f"{path!r} resolves to {real!r}, outside this server's --checkpoint-root {real_root!r}")
+    if os.path.isdir(real):
+        names = sorted(n for n in os.listdir(real) if n.endswith(".safetensors"))
+        files = [os.path.realpath(os.path.join(real, n)) for n in names]  # (a symlink inside may point elsewhere)
+        if not files:
+            raise ValueError(f"{path!r} holds no *.safetensors file")
+    elif os.path.isfile(real) and real.endswith(".safetensors"):
+        files = [real]
+    else:
+        raise ValueError(f"{path!r}: no such .safetensors file or directory")
+    for f in files:
+        if os.path.commonpath([f, real_root]) != real_root or not os.path.isfile(f):
+            raise ValueError(f"{f!r} (in {path!r}) is not a file inside this server's --checkpoint-root {real_root!r}")
+    return files
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # the header's names
+
+
+def checkpoint_params(files: list[str]) -> list[dict]:
+    """[{name, dtype, shape}] of every tensor in the safetensors `files`, read from their headers alone (8 bytes of
+    header length, then JSON), in check_push's form: a checkpoint is checked as a push of the same tensors would be.
+    Raises ValueError for a file that is not safetensors, or whose data is shorter or longer than its header says (a
+    truncated file would otherwise fail in the workers, after other files loaded)."""
+    params = []
+    for f in files:
+        data_end = 0  # where the header says the last tensor's bytes end
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 2 <= size <= 100 << 20:  # (safetensors' own bound on a header)
+                raise ValueError(f"{f!r} is not a safetensors file (header of {size} bytes)")
+            try:
+                header = json.loads(fh.read(size))
+            except ValueError as e:
+                raise ValueError(f"{f!r} is not a safetensors file: {e}") from e
+            if not isinstance(header, dict):
+                raise ValueError(f"{f!r} is not a safetensors file (its header is no JSON object)")
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            shape = info.get("shape") if isinstance(info, dict) else None
+            well_formed = isinstance(shape, list) and "dtype" in info and isinstance(offsets, list)
+            if not well_formed or not all(isinstance(x, int) for x in offsets):
+                raise ValueError(f"{f!r} is not a safetensors file (tensor {name!r}: {info!r})")
+            dtype = SAFETENSORS_DTYPES.get(str(info["dtype"]), str(info["dtype"]))
+            params.append({"name": name, "dtype": dtype, "shape": info["shape"]})
+            data_end = max([data_end, *offsets])
+        if 8 + size + data_end != os.path.getsize(f):
+            raise ValueError(f"{f!r} is truncated or corrupt: its header promises {data_end} bytes of tensor data")
+    return params
+
+
 def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
     """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
     blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
@@ -375,12 +444,8 @@ class WeightSyncWorker:
     def sync_update(self, params: list[dict], direct: bool) -> tuple[int, bool]:
         """Receive `params` from rank 0, one broadcast each, into the model. No engine step runs meanwhile: the whole
         update is this one RPC."""
-        import torch
-
         if self._sync_pg is None and getattr(self, "_sync_shared", None) is None:
             raise RuntimeError("no communicator")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # an earlier step's kernels may still read the weights
         direct = direct and self._sync_exact
         deadline = time.monotonic() + self._sync_timeout_s
         if self._sync_shared is not None:  # the shared transport: copied out of the trainer's staging buffer
@@ -388,20 +453,51 @@ class WeightSyncWorker:
         else:
             arriving = self.sync_receive(params, direct, deadline)
         try:
-            if direct:
-                for _ in arriving:  # every tensor lands in place: only wait for each
-                    pass
-            else:
-                self.sync_reload(arriving)
+            self.sync_load(arriving, direct)
         except BaseException:
             # The trainer died or stalled mid-push: drop the group (the server then accepts a new one). Direct, the
             # weights stay partly new until the next push; the reload keeps a layer's old weights unless all its
             # new ones came.
             self.sync_close_communicator()
             raise
+        return len(params), direct
+
+    def sync_load_checkpoint(self, files: list[str], direct: bool) -> tuple[int, bool]:
+        """Read the safetensors `files` into the model, as a push of the same tensors: the same two load paths, only
+        the source of (name, tensor) differs. The server checked their names, shapes and dtypes first (check_push on
+        the headers); no collective group is needed."""
+        direct = direct and self._sync_exact
+        names = []
+
+        def read():  # (name, tensor) in the files' order; direct: already copied into the engine's tensor
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(f, framework="pt", device=str(self.device)) as sf:
+                    for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                        t = sf.get_tensor(name)  # a tensor of its own: the reload may keep it until its layer is done
+                        if direct:
+                            t = self._sync_targets[name].copy_(t)
+                        names.append(name)
+                        yield name, t
+
+        self.sync_load(read(), direct)
+        return len(names), direct
+
+    def sync_load(self, arriving, direct: bool) -> None:
+        """Load the (name, tensor) pairs of `arriving` (a push's receive, or a checkpoint's read) into the model:
+        direct, each is already in the engine's tensor and is only waited for; else vLLM's layerwise reload."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # an earlier step's kernels may still read the weights
+        if direct:
+            for _ in arriving:  # every tensor lands in place: only wait for each
+                pass
+        else:
+            self.sync_reload(arriving)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # report "done" only when it is
-        return len(params), direct
 
     def sync_receive(self, params: list[dict], direct: bool, deadline: float):
         """Yield (name, tensor) in order, each once its broadcast is done, while later ones travel. Direct: all are
@@ -750,6 +846,41 @@ async def receive_push(args: Args, state: ServerState, params: list[dict], versi
         state.tasks -= 1
 
 
+async def load_checkpoint(args: Args, state: ServerState, path: str, version: Optional[int]) -> dict:
+    """POST /load_checkpoint: load the safetensors checkpoint at `path` as a push of the same tensors would be loaded,
+    with no collective group. Raises ValueError (the route's 400) before anything is read into the engine: a path
+    outside --checkpoint-root, no such file, a tensor whose name, shape or dtype the engine does not take. Then returns
+    the report; a failure while loading is reported, not raised."""
+    files = checkpoint_files(path, args.checkpoint_root)
+    problem = check_push(checkpoint_params(files), state.specs, state.packed)  # a push's own check, on the headers
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
+    state.updating = True  # (no await since the route saw it false: no other update can start in between)
+    state.tasks += 1
+    t0 = time.perf_counter()
+    try:
+        async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
+            # every worker reads the files into its model, on the load path a push would take
+            num_params, direct = await collective(
+                args, state, "sync_load_checkpoint", files=files, direct=args.direct_load
+            )
+            await advance_version(state, version)
+        return {
+            "status": "ok",
+            "version": state.version,
+            "num_params": num_params,
+            "direct": direct,
+            "paused": paused,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
+    except Exception as e:
+        state.last_error = f"load_checkpoint: {e}"
+        return {"status": "error", "error": state.last_error}
+    finally:
+        state.updating = False
+        state.tasks -= 1
+
+
 def completion_json(c) -> dict:
     """One of vLLM's CompletionOutputs as /generate answers it."""
     spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
@@ -766,7 +897,7 @@ def completion_json(c) -> dict:
 def add_routes(app, args: Args, state: ServerState) -> None:
     """Our routes, on vLLM's app: /generate, the weight sync, and what a trainer reads about them."""
     from fastapi import HTTPException
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, Field
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -927,6 +1058,20 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         task = asyncio.create_task(receive_push(args, state, params, req.version))
         return two_lines({"status": "receiving", "num_params": len(params)}, task)
 
+    class CheckpointRequest(BaseModel):
+        path: str  # a safetensors file or a directory of them, under --checkpoint-root
+        version: Optional[int] = None  # default: the current version + 1
+
+    @app.post("/load_checkpoint")
+    async def load_checkpoint_route(req: CheckpointRequest):
+        if state.updating:
+            raise HTTPException(409, "another weight update is running")
+        try:
+            done = await load_checkpoint(args, state, req.path, req.version)
+        except ValueError as e:  # refused before anything was read into the engine
+            raise HTTPException(400, str(e)) from e
+        return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         return {"status": "ok", "reset": await state.engine.reset_prefix_cache()}
@@ -985,6 +1130,7 @@ def key_required(app, keys: list[str]):
 
 async def serve(args: Args, vllm_args) -> None:
     """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
+    from uvicorn.config import LOGGING_CONFIG
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -1013,7 +1159,7 @@ async def serve(args: Args, vllm_args) -> None:
             host=vllm_args.host,
             port=vllm_args.port,
             log_level=vllm_args.uvicorn_log_level,
-            log_config=get_uvicorn_log_config(vllm_args),
+            log_config=get_uvicorn_log_config(vllm_args) or LOGGING_CONFIG,  # (None would silence uvicorn's logs)
             access_log=not vllm_args.disable_uvicorn_access_log,
             ssl_keyfile=vllm_args.ssl_keyfile,
             ssl_certfile=vllm_args.ssl_certfile,
