@@ -1066,6 +1066,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     async def load_checkpoint_route(req: CheckpointRequest):
         if state.updating:
             raise HTTPException(409, "another weight update is running")
+        if (problem := asleep_problem(state, "weights")) is not None:  # (it would write unmapped memory)
+            raise HTTPException(409, problem)
         try:
             done = await load_checkpoint(args, state, req.path, req.version)
         except ValueError as e:  # refused before anything was read into the engine
