@@ -279,17 +279,19 @@ def test_a_push_in_one_round_and_in_rounds_lands_bit_for_bit(server):
 def test_a_bad_mapping_request_is_a_400_and_maps_nothing(server):
     url, model, pid, _ = server
     client = SharedClient(url, 60000)  # (the tiny model's largest weight: 49152 elements)
-    for changes, message in [
-        ({"numel": 59999}, "bytes, expected"),  # the file holds 60000 float32
-        ({"path": "/dev/shm/cleanrlvr-test-missing"}, "no such file"),
-        ({"exec": "os.system"}, "unknown field(s) ['exec']"),
-    ]:
-        r = client.init(unlink=False, **changes)
-        assert r.status_code == 400 and message in r.text, (changes, r.text)
-    assert not os.path.exists("/dev/shm/cleanrlvr-test-missing")  # (nothing created it either)
-    assert client.paths["path"] not in mapped_files(pid)
-    for path in client.paths.values():
-        os.unlink(path)
+    try:
+        for changes, message in [
+            ({"numel": 59999}, "bytes, expected"),  # the file holds 60000 float32
+            ({"path": "/dev/shm/cleanrlvr-test-missing"}, "no such file"),
+            ({"exec": "os.system"}, "unknown field(s) ['exec']"),
+        ]:
+            r = client.init(unlink=False, **changes)
+            assert r.status_code == 400 and message in r.text, (changes, r.text)
+        assert not os.path.exists("/dev/shm/cleanrlvr-test-missing")  # (nothing created it either)
+        assert client.paths["path"] not in mapped_files(pid)
+    finally:
+        for path in client.paths.values():  # (nothing of the tests' left in /dev/shm, passed or failed)
+            os.unlink(path)
     r = requests.post(url + "/sleep", json={"level": 1})  # CPU: no sleep mode
     assert r.status_code == 400 and "sleep mode is off" in r.text
 
