@@ -6,7 +6,8 @@ score each with a verifiable reward (1 if the last \\boxed{} answer equals the g
 the group's mean (optionally over the group's std) as every token's advantage. The policy maximises the clipped ratio
 objective of PPO; a KL penalty to a frozen reference is optional (off by default, as in DAPO and Dr. GRPO).
   - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a collective
-    group after every `--sync-every-steps` updates; its sampling logprobs are returned too;
+    group, or from a staging buffer it maps (one GPU for both), after every `--sync-every-steps` updates; its
+    sampling logprobs are returned too;
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
@@ -14,10 +15,13 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
 
 What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
 (reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), LoRA and a
-packed-sequence attention kernel. The whole algorithm is the ALGO LOGIC section and the loop at the bottom.
+packed-sequence attention kernel. The shared transport and vLLM's sleep mode (one GPU for both) are this script's
+alone: reinforce_math_fsdp2.py and the pipeline push over the collective group. The whole algorithm is the ALGO LOGIC
+section and the loop at the bottom.
 
-  # vLLM on GPU 0 (started for you), training on GPU 1
+  # one GPU: vLLM beside the trainer (30% of the GPU, asleep while the trainer updates), weights through its memory
   python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
+  # two GPUs: the same command puts vLLM on GPU 0 and trains on GPU 1
   # or against a server you started yourself
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
@@ -120,10 +124,19 @@ class Args:
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
-    sync_transport: Literal["collective", "checkpoint"] = "collective"
+    sync_transport: Literal["collective", "shared", "checkpoint"] = "collective"
     """how the weights reach the server: `collective` broadcasts them over a group this trainer hosts (NCCL on GPU,
-    gloo on CPU); `checkpoint` saves them under --sync-dir and the server loads the file (no group: for a server that
-    cannot reach this trainer's ports but shares its file system)"""
+    gloo on CPU); `shared` writes them into a staging buffer of this trainer's that a server on this machine maps
+    (CUDA IPC on one GPU, a /dev/shm file on CPU; one GPU with --start-server: `shared`); `checkpoint` saves them
+    under --sync-dir and the server loads the file (no group: for a server that cannot reach this trainer's ports but
+    shares its file system)"""
+    staging_mib: int = 0
+    """shared transport: the staging buffer's size in MiB, a window reused in rounds (0: the whole model at once)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """with --start-server on one GPU: the fraction of its memory vLLM may take (the trainer has the rest)"""
+    vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
+    """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
+    0: never); default: 2 when the server shares this trainer's GPU, else 0"""
     sync_dir: str = "sync_checkpoints"
     """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
@@ -618,6 +631,8 @@ def push_weights(sync: dict, model, version: int) -> dict:
     slower in bench/weight_sync.py. Returns the server's report."""
     import torch
 
+    if sync.get("transport") == "shared":
+        return push_shared(sync, model, version)
     dtype = getattr(torch, sync["dtype"])
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
@@ -644,6 +659,135 @@ def push_weights(sync: dict, model, version: int) -> dict:
         )
     for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
         work.wait()
+    done = next(answer)
+    if done["status"] != "ok":
+        raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
+    return done
+
+
+def staging_layout(numels: list[int], window: Optional[int], align: int = 64) -> tuple[list[tuple[int, int]], int]:
+    """Where each tensor (of `numels` elements, in push order) goes in the shared transport's staging buffer: its
+    (round, element offset), each offset a multiple of `align` elements (whole cache lines for the copies). With a
+    `window` (elements) a tensor that does not fit in what is left of the window starts the next round at 0;
+    without, all go in round 0. Returns the places and the buffer's size in elements (a window grows to the largest
+    tensor: a tensor is never split)."""
+    cap = max(window, max(numels)) if window else None
+    places = []
+    round_ = 0
+    offset = 0  # where the next tensor may start in the current round
+    size = 0
+    for n in numels:
+        if cap is not None and offset > 0 and offset + n > cap:
+            round_ += 1
+            offset = 0
+        places.append((round_, offset))
+        size = max(size, offset + n)
+        offset = -(-(offset + n) // align) * align  # rounded up
+    return places, size
+
+
+def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
+    """The shared transport: this trainer owns one flat staging buffer in the server's dtype, and the server's worker
+    maps it once (the server runs on this machine: one GPU is enough, since no NCCL group joins two ranks on it). On
+    CUDA the buffer is GPU memory shared by CUDA IPC (the fields of torch's reduce_tensor, as JSON, and the GPU's
+    UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): tensors written (ours) and
+    tensors copied (the server's), so that the copies on both sides overlap and a window can be reused in rounds.
+    Both files are unlinked once mapped: a killed trainer leaves nothing behind in /dev/shm."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    if info["device"] != device.type:  # CUDA IPC and /dev/shm each need both ends on one kind of device
+        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
+    dtype = getattr(torch, info["dtype"])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numels = [p.numel() for p in model.parameters()]
+    places, numel = staging_layout(numels, (staging_mib << 20) // itemsize if staging_mib else None)
+    stem = f"/dev/shm/cleanrlvr-{os.getpid()}-{os.urandom(4).hex()}"
+    control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)  # (creates the file)
+    control.zero_()
+    spec = {"device": device.type, "dtype": info["dtype"], "numel": numel, "control": stem + ".control"}
+    files = [stem + ".control"]
+    if device.type == "cuda":
+        buffer = torch.empty(numel, dtype=dtype, device=device)  # [numel]
+        # reduce_tensor's rebuild arguments (torch/multiprocessing/reductions.py); the tensor and storage classes,
+        # shape, stride and device index are the server's to fix, the rest travels as plain JSON
+        (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event, sync) = (
+            reduce_tensor(buffer)[1]
+        )
+        spec |= {
+            "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
+            "handle": base64.b64encode(handle).decode(),
+            "storage_size_bytes": size_bytes,
+            "storage_offset_bytes": offset_bytes,
+            "ref_counter_handle": base64.b64encode(rc_handle).decode(),
+            "ref_counter_offset": rc_offset,
+            "event_handle": base64.b64encode(event or b"").decode(),
+            "event_sync_required": bool(sync),
+            "tensor_offset": tensor_offset,
+        }
+    else:
+        buffer = torch.from_file(stem + ".buffer", shared=True, size=numel, dtype=dtype)  # [numel]
+        spec["path"] = stem + ".buffer"
+        files.append(stem + ".buffer")
+    wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after one collective queued before ours
+    try:
+        answer = lines(
+            post(url, "/init_communicator", {"transport": "shared", "shared": spec}, stream=True, timeout=wait_s)
+        )
+        next(answer)  # "mapping"
+        done = next(answer)
+    finally:
+        for f in files:  # mapped (or refused): the mappings keep the memory, the names go
+            os.unlink(f)
+    if done["status"] != "ok":
+        raise RuntimeError(f"{url}/init_communicator (shared transport) failed: {done}")
+    return {
+        "url": url,
+        "transport": "shared",
+        "buffer": buffer,
+        "control": control,
+        "places": places,
+        "dtype": info["dtype"],
+        "device": device,
+        "timeout_s": wait_s,
+        "round_timeout_s": info["sync_timeout_s"],
+    }
+
+
+def push_shared(sync: dict, model, version: int) -> dict:
+    """Post /update_param_batch with each parameter's slice of the staging buffer (offset, round), then write every
+    parameter into its slice (cast to the server's dtype: the one copy on this side), counting each one written:
+    the server copies each into the engine's tensor as soon as it is counted, while we write the next (the two copies
+    overlap). The first tensor of round r waits until the server counted round r - 1 copied out of the window.
+    Returns the server's report."""
+    import torch
+
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    buffer = sync["buffer"]  # [numel], the server's dtype
+    control = sync["control"]  # [2] int64: tensors written (ours), tensors copied (the server's)
+    places = sync["places"]
+    params = [
+        {"name": n, "dtype": sync["dtype"], "shape": list(p.shape), "offset": offset, "round": round_}
+        for (n, p), (round_, offset) in zip(named, places, strict=True)
+    ]
+    control.zero_()  # (the last push's server copied every tensor: the counts start again)
+    body = {"params": params, "version": version}
+    answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
+    next(answer)  # "receiving": the server checked the metadata and copies each tensor once counted
+    for i, ((_, p), (round_, offset)) in enumerate(zip(named, places, strict=True)):
+        if i > 0 and round_ != places[i - 1][0]:  # a new round over the window: the last one must be copied out
+            deadline = time.monotonic() + sync["round_timeout_s"]
+            while control[1].item() < i:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{sync['url']} did not copy round {round_ - 1} in time: {next(answer, {})}")
+                time.sleep(0.0002)
+        buffer[offset : offset + p.numel()].view_as(p).copy_(p)
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()  # in GPU memory before the server's copy reads it
+        control[0] = i + 1
     done = next(answer)
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
@@ -741,9 +885,14 @@ def physical_gpu(index: int) -> str:
     return ids[index]
 
 
-def start_vllm_server(args: Args, log_path: str):
-    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
+def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_level: int = 0):
+    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
+    (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
+    this trainer updates."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
+    colocation = ["--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)] if colocated else []
+    if sleep_level:
+        colocation.append("--enable-sleep-mode")
     cmd = [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
@@ -753,6 +902,7 @@ def start_vllm_server(args: Args, log_path: str):
         args.vllm_host,
         "--port",
         str(args.vllm_port),
+        *colocation,
         *shlex.split(args.server_args),
     ]
     if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
@@ -804,12 +954,13 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
-    if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
-        raise SystemExit(
-            "--start-server needs two visible GPUs, one for the server and one for training: the weight "
-            "sync's NCCL group cannot have both ends on one GPU. Make a second GPU visible, or start "
-            "vllm_sync_server.py yourself on another GPU or machine and pass --vllm-host/--vllm-port."
+    colocated = args.start_server and n_gpu == 1  # one GPU: the server beside this trainer, on the same GPU
+    if colocated and args.sync_transport == "collective":  # NCCL refuses two ranks on one GPU ("Duplicate GPU")
+        print(
+            "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
         )
+        args.sync_transport = "shared"
+    sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else (2 if colocated else 0)
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
@@ -825,7 +976,7 @@ if __name__ == "__main__":
     )
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
-        start_vllm_server(args, "vllm_server.log")
+        start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
     loggers = set(args.logger.split(","))
     if "wandb" in loggers:
         import wandb
@@ -894,6 +1045,9 @@ if __name__ == "__main__":
     if args.sync_transport == "checkpoint":
         sync = init_checkpoint_sync(url, args.sync_dir)
         push = save_and_load_weights
+    elif args.sync_transport == "shared":
+        sync = init_shared_sync(url, device, model, args.staging_mib)
+        push = push_weights  # (which writes into the staging buffer: see push_shared)
     else:
         sync = init_weight_sync(url, device, args.sync_host)
         push = push_weights
@@ -986,7 +1140,11 @@ if __name__ == "__main__":
         T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
         T_all = max(1, sum(trained[i] for i in fed))  # completion tokens with a gradient
 
-        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
+        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
+        # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
+        pushes = (step + 1) % args.sync_every_steps == 0
+        if sleep_level:
+            post(url, "/sleep", {"level": sleep_level if pushes else 1})
         micro = [
             [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
         ]
@@ -1047,13 +1205,21 @@ if __name__ == "__main__":
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
         step += 1
-        # 6) push weights to vLLM
+        # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
         sync_s = 0.0
+        if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            post(url, "/wake_up", {"tags": ["weights"]})
         if not bad and step % args.sync_every_steps == 0:
             version += 1
             sync_s = push(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
+        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
+            push(sync, model, version)
+        if sleep_level:
+            post(url, "/wake_up", {})
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens

@@ -22,6 +22,10 @@ The protocol, in the order a trainer calls it:
   3. Every push: POST /update_param_batch {params: [{name, dtype, shape}], version?}, checked first (a 400 names the
      parameter). Line 1 ("receiving"): broadcast each tensor now, in that order; line 2: the report (version,
      num_params, direct, paused, seconds) or the error.
+  2-3 on one machine (one GPU is enough): the shared transport. POST /init_communicator {transport: "shared", shared}
+     names a staging buffer of the trainer's (CUDA IPC fields, or a /dev/shm file) that the worker maps; each push's
+     params add offset and round, and the trainer writes the tensors into the buffer instead of broadcasting them.
+     POST /sleep {level} and /wake_up {tags?} free vLLM's GPU memory while the trainer updates (--enable-sleep-mode).
   4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it), vLLM's
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
@@ -36,13 +40,14 @@ import datetime
 import glob
 import hashlib
 import json
+import math
 import os
 import sys
 import time
 import uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Optional  # torch, vLLM, the web stack: imported where used (fast --help)
+from typing import Any, Literal, Optional  # torch, vLLM, the web stack: imported where used (fast --help)
 
 
 @dataclass
@@ -67,7 +72,7 @@ VLLM_DEFAULTS = {
 
 @dataclass
 class ServerState:
-    """What our routes share. The first six fields change as the server runs; the rest are set once, at start."""
+    """What our routes share. The first eight fields change as the server runs; the rest are set once, at start."""
 
     version: int = 0  # the policy version the engine computes with: 0, then +1 per push or the version sent
     communicator: Optional[dict] = None  # the group the workers joined; None before /init_communicator, after an error
@@ -75,6 +80,8 @@ class ServerState:
     tasks: int = 0  # joins and updates still running
     last_error: Optional[str] = None  # the last failed join or update
     generating: int = 0  # /generate calls past the gate: their requests are in (or entering) the engine
+    asleep: list = field(default_factory=list)  # what vLLM released in /sleep: "weights", "kv_cache" ([]: awake)
+    sleep_level: int = 0  # the last /sleep's level
     engine: Any = None  # vLLM's AsyncLLM, shared with vLLM's own routes
     tokenizer: Any = None  # applies the chat template to /generate's messages
     model: str = ""  # the model's path or id (--model)
@@ -126,6 +133,116 @@ def spec_problem(p: dict, spec: Optional[dict], seen: set) -> Optional[str]:
         return f"shape {p.get('shape')} != the model's {spec['shape']}"
     if p.get("dtype") != spec["dtype"]:
         return f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)"
+    return None
+
+
+SHM_DIR = "/dev/shm"  # the shared transport's files on CPU (and its control words on GPU): memory, never a disk
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # the engine dtypes a staging buffer may hold
+SHARED_FIELDS = {  # /init_communicator's `shared`, per device: field -> its JSON type (exactly; true is not an int)
+    "cpu": {"device": str, "dtype": str, "numel": int, "control": str, "path": str},
+    "cuda": {
+        "device": str,
+        "dtype": str,
+        "numel": int,
+        "control": str,
+        "gpu_uuid": str,
+        # the fields of torch's reduce_tensor(buffer) that rebuild_cuda_tensor takes (bytes as base64)
+        "handle": str,
+        "storage_size_bytes": int,
+        "storage_offset_bytes": int,
+        "ref_counter_handle": str,
+        "ref_counter_offset": int,
+        "event_handle": str,
+        "event_sync_required": bool,
+        "tensor_offset": int,
+    },
+}
+
+
+def check_shared_spec(spec, device: str, dtype: str, min_numel: int, gpu_uuid: Optional[str] = None) -> Optional[str]:
+    """Why the staging buffer `spec` (/init_communicator's `shared`) must be refused, or None. It runs before anything
+    is mapped: a wrong size would read past the buffer, and a path must name a file in /dev/shm that the trainer
+    made (torch.from_file would create a missing one). `device`, `dtype`: the server's; `min_numel`: the largest
+    weight, which must fit the buffer; `gpu_uuid`: the worker's GPU (CUDA: the buffer must live on it). Reads the
+    files' metadata; changes nothing."""
+    import base64
+    import binascii
+
+    if not isinstance(spec, dict):
+        return "'shared' must be an object"
+    fields = SHARED_FIELDS.get(spec.get("device"))
+    if fields is None or spec["device"] != device:
+        return f"'device' {spec.get('device')!r}: this server runs on {device!r} (the buffer must be on its device)"
+    unknown = sorted(set(spec) - set(fields))
+    missing = sorted(set(fields) - set(spec))
+    if unknown or missing:
+        return f"unknown field(s) {unknown}, missing field(s) {missing}"
+    wrong = [k for k, kind in fields.items() if type(spec[k]) is not kind]
+    if wrong:
+        return f"field(s) {wrong} must be {[fields[k].__name__ for k in wrong]}"
+    if spec["dtype"] != dtype:
+        return f"'dtype' {spec['dtype']} != the engine's {dtype} (weights travel in it)"
+    if not min_numel <= spec["numel"]:
+        return f"'numel' {spec['numel']}: the buffer must hold the largest weight, {min_numel} elements"
+    nbytes = spec["numel"] * ITEMSIZE[dtype]
+    problem = shm_file_problem(spec["control"], 16, "control")  # two int64: tensors written, tensors copied
+    if problem is None and device == "cpu":
+        problem = shm_file_problem(spec["path"], nbytes, "path")
+    if problem is None and device == "cuda":
+        if spec["gpu_uuid"] != gpu_uuid:
+            return f"'gpu_uuid' {spec['gpu_uuid']}: this server's GPU is {gpu_uuid} (CUDA IPC maps one GPU's memory)"
+        try:
+            for k in ("handle", "ref_counter_handle", "event_handle"):
+                base64.b64decode(spec[k], validate=True)
+        except binascii.Error:
+            return f"{k!r} is not base64"
+        if min(spec[k] for k in fields if fields[k] is int) < 0:
+            return "sizes and offsets must not be negative"
+        if (spec["tensor_offset"] + spec["numel"]) * ITEMSIZE[dtype] > spec["storage_size_bytes"]:
+            return f"'numel' {spec['numel']} at 'tensor_offset' {spec['tensor_offset']} overruns the storage"
+    return problem
+
+
+def shm_file_problem(path: str, nbytes: int, what: str) -> Optional[str]:
+    """Why `path` is not a plain file of exactly `nbytes` bytes directly in /dev/shm (no link, no `..`), or None."""
+    import stat
+
+    if os.path.dirname(path) != SHM_DIR or os.path.normpath(path) != path or os.path.basename(path) in ("", ".", ".."):
+        return f"{what!r} {path!r}: not a file directly in {SHM_DIR}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{what!r} {path!r}: no such file"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{what!r} {path!r}: not a regular file"
+    if st.st_size != nbytes:
+        return f"{what!r} {path!r}: {st.st_size} bytes, expected {nbytes}"
+    return None
+
+
+def check_shared_slices(params: list[dict], numel: int) -> Optional[str]:
+    """Why a push over the shared transport must be refused, or None (check_push checked names, dtypes and shapes):
+    each parameter has an element `offset` into the staging buffer of `numel` elements and the `round` that writes it.
+    Rounds count up from 0 in the parameters' order, and the slices of one round fit the buffer and do not overlap:
+    a window reused in rounds is rewritten only after the server copied the round before out of it."""
+    rounds: dict[int, list] = {}  # round -> (offset, end, name) of its slices
+    last = 0
+    for p in params:
+        offset, round_ = p.get("offset"), p.get("round")
+        if type(offset) is not int or type(round_) is not int or offset < 0:
+            return f"parameter {p.get('name')!r}: 'offset' and 'round' must be integers >= 0"
+        if round_ not in (last, last + 1) or (not rounds and round_ != 0):
+            return f"parameter {p.get('name')!r}: round {round_} after round {last} (rounds count up from 0)"
+        last = round_
+        end = offset + math.prod(p["shape"])
+        if end > numel:
+            return f"parameter {p.get('name')!r}: elements {offset}..{end} overrun the buffer's {numel}"
+        rounds.setdefault(round_, []).append((offset, end, p.get("name")))
+    for round_, spans in rounds.items():
+        spans.sort()
+        for (_, end, name), (start, _, other) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                return f"parameters {name!r} and {other!r} overlap in round {round_}"
     return None
 
 
@@ -234,9 +351,34 @@ class WeightSyncWorker:
         pg = getattr(self, "_sync_pg", None)
         self._sync_pg = None
         self._sync_store = None
+        self._sync_shared = None  # the last reference to the mapped buffer: unmapped here (CUDA: the IPC handle closed)
         if pg is not None:
             with suppress(Exception):  # free the connections (NCCL: the communicator) at once; nothing waits on them
                 pg.abort()
+
+    def sync_map_shared(self, spec: dict, timeout_s: float) -> None:
+        """The shared transport: map the trainer's staging buffer and its two control words (tensors written, tensors
+        copied) instead of joining a group. The route checked `spec` (check_shared_spec); nothing in it chooses code:
+        CPU maps two files, CUDA hands checked fields to torch's rebuild_cuda_tensor alone."""
+        import torch
+
+        self.sync_close_communicator()  # a new mapping replaces the old one (e.g. a trainer that restarted)
+        dtype = getattr(torch, spec["dtype"])
+        if self.device.type == "cuda":
+            buffer = map_cuda_buffer(spec, self.device, dtype)
+        else:
+            buffer = map_shm_file(spec["path"], spec["numel"], dtype)
+        control = map_shm_file(spec["control"], 2, torch.int64)  # tensors written (the trainer's), copied (ours)
+        self._sync_shared = {"buffer": buffer, "control": control}
+        self._sync_timeout_s = timeout_s
+
+    def sync_device_uuid(self) -> Optional[str]:
+        """This worker's GPU's UUID (None on CPU): a trainer's CUDA buffer is mapped only on the GPU it lives on."""
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(self.device.index).uuid)
 
     def sync_prepare(self, files: Optional[list[str]] = None) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
         """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter, or its rows in a tensor
@@ -288,10 +430,14 @@ class WeightSyncWorker:
     def sync_update(self, params: list[dict], direct: bool) -> tuple[int, bool]:
         """Receive `params` from rank 0, one broadcast each, into the model. No engine step runs meanwhile: the whole
         update is this one RPC."""
-        if self._sync_pg is None:
+        if self._sync_pg is None and getattr(self, "_sync_shared", None) is None:
             raise RuntimeError("no communicator")
         direct = direct and self._sync_exact
-        arriving = self.sync_receive(params, direct, deadline=time.monotonic() + self._sync_timeout_s)
+        deadline = time.monotonic() + self._sync_timeout_s
+        if self._sync_shared is not None:  # the shared transport: copied out of the trainer's staging buffer
+            arriving = self.sync_receive_shared(params, direct, deadline)
+        else:
+            arriving = self.sync_receive(params, direct, deadline)
         try:
             self.sync_load(arriving, direct)
         except BaseException:
@@ -363,6 +509,34 @@ class WeightSyncWorker:
         while posted:
             yield self.sync_wait(posted.pop(0), deadline)
 
+    def sync_receive_shared(self, params: list[dict], direct: bool, deadline: float):
+        """Yield (name, tensor) in order, read from the trainer's staging buffer: each parameter's slice (`offset`,
+        elements) as soon as the trainer counted it written, while it writes the next ones. Direct: copied into the
+        engine's tensor (the one copy on this side); else the slice itself for vLLM's reload, or a copy of it when the
+        buffer is a window reused in rounds (the reload keeps a tensor until its whole layer arrived). At the end of
+        each round this worker counts the round's tensors copied: the trainer may then write the next round over it."""
+        import torch
+
+        buffer = self._sync_shared["buffer"]  # [numel], the wire dtype
+        control = self._sync_shared["control"]  # [2] int64: tensors written (the trainer's), tensors copied (ours)
+        reused = params[-1]["round"] > 0
+        for i, p in enumerate(params):
+            while control[0].item() <= i:  # not written yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor {i} ({p['name']}) was not written in time (the trainer died?)")
+                time.sleep(0.0002)
+            src = buffer[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
+            if direct:
+                t = self._sync_targets[p["name"]]
+                t.copy_(src)
+            else:
+                t = src.clone() if reused else src
+            yield p["name"], t
+            if i + 1 == len(params) or params[i + 1]["round"] != p["round"]:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # the copies read the window: done before the trainer rewrites it
+                control[1] = i + 1
+
     def sync_wait(self, posted: tuple, deadline: float) -> tuple:
         """Wait for one posted broadcast; returns (name, tensor)."""
         name, t, work = posted
@@ -415,6 +589,53 @@ class WeightSyncWorker:
                 t = tensor_model_parallel_all_gather(t.contiguous(), dim=dim).narrow(dim, 0, full[dim])
             sums[name] = hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
         return sums
+
+
+def map_shm_file(path: str, numel: int, dtype):
+    """A tensor of `numel` elements backed by the file `path` in /dev/shm, shared with the process that made it. The
+    file is opened first without O_CREAT or links (torch.from_file would create a missing file) and its size checked;
+    torch maps it through /proc/self/fd, so a file swapped in after the route's check is never the one mapped."""
+    import torch
+
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)  # MAP_SHARED: no copy
+    finally:
+        os.close(fd)  # (the mapping keeps the memory; the trainer unlinks the file once it is mapped)
+
+
+def map_cuda_buffer(spec: dict, device, dtype):
+    """The trainer's staging buffer on this GPU, through CUDA IPC: torch's rebuild_cuda_tensor on the checked fields
+    of the trainer's reduce_tensor(buffer) (torch/multiprocessing/reductions.py), never unpickled. The tensor class,
+    storage class, shape and stride are fixed here: a flat buffer of spec["numel"] elements."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    here = str(torch.cuda.get_device_properties(device.index).uuid)
+    if spec["gpu_uuid"] != here:  # (checked by the route too) an IPC handle opens only on the GPU that made it
+        raise ValueError(f"the trainer's buffer is on GPU {spec['gpu_uuid']}, this worker's GPU is {here}")
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (spec["numel"],),
+        (1,),
+        spec["tensor_offset"],
+        torch.storage.TypedStorage,
+        dtype,
+        device.index,  # this worker's index of that GPU (vLLM's ipc_engine overwrites the sender's index too)
+        base64.b64decode(spec["handle"]),
+        spec["storage_size_bytes"],
+        spec["storage_offset_bytes"],
+        False,  # requires_grad
+        base64.b64decode(spec["ref_counter_handle"]),
+        spec["ref_counter_offset"],
+        base64.b64decode(spec["event_handle"]),
+        spec["event_sync_required"],
+    )
 
 
 def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: int) -> bool:
@@ -474,8 +695,10 @@ async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> d
         async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
             # every worker connects to the trainer's store and joins the group, while the trainer joins as rank 0
             # (the request's fields are the method's arguments: host, port, world_size, rank_offset, connections)
-            await collective(args, state, "sync_init_communicator", **req.model_dump(), timeout_s=args.sync_timeout_s)
-        state.communicator = {**req.model_dump(exclude={"rank_offset"}), "ranks": ranks}
+            fields = req.model_dump(exclude={"transport", "shared"})  # (the shared transport's: see map_shared)
+            await collective(args, state, "sync_init_communicator", **fields, timeout_s=args.sync_timeout_s)
+        state.communicator = {**fields, "transport": "collective", "ranks": ranks}
+        state.communicator.pop("rank_offset")
         return {"status": "ok", **state.communicator}
     except Exception as e:
         state.communicator = None
@@ -483,6 +706,73 @@ async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> d
         return {"status": "error", "error": state.last_error}
     finally:
         state.tasks -= 1
+
+
+async def shared_spec_problem(args: Args, state: ServerState, spec) -> Optional[str]:
+    """Why /init_communicator's staging buffer `spec` (transport "shared") must be refused, or None: a 400 before
+    anything is mapped."""
+    if state.workers != 1:  # one GPU, one worker: the buffer lives on the GPU of the one worker that maps it
+        return f"the shared transport needs a server with one worker; this one has {state.workers}"
+    gpu_uuid = None
+    if state.device == "cuda":
+        async with state.lock:  # (a collective RPC: one at a time)
+            gpu_uuid = await collective(args, state, "sync_device_uuid")
+    largest = max(math.prod(weight["shape"]) for weight in state.specs.values())
+    return check_shared_spec(spec, state.device, state.dtype, largest, gpu_uuid)
+
+
+async def map_shared(args: Args, state: ServerState, spec: dict) -> dict:
+    """The second half of /init_communicator with transport "shared": the worker maps the trainer's staging buffer
+    (checked by shared_spec_problem). The trainer may unlink its files once this answered "ok"."""
+    try:
+        async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
+            await collective(args, state, "sync_map_shared", spec=spec, timeout_s=args.sync_timeout_s)
+        state.communicator = {"transport": "shared", **{k: spec[k] for k in ("device", "dtype", "numel")}}
+        return {"status": "ok", **state.communicator}
+    except Exception as e:
+        state.communicator = None
+        state.last_error = f"init_communicator: {e}"
+        return {"status": "error", "error": state.last_error}
+    finally:
+        state.tasks -= 1
+
+
+async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
+    """/sleep: vLLM frees its GPU memory while the trainer trains beside it on the same GPU. Level 1 offloads the
+    weights to CPU memory and drops the KV cache; level 2 drops both (the next push rewrites every weight). New
+    /generate calls get a 409 from now until /wake_up; requests in flight finish first (vLLM's mode "wait")."""
+    from fastapi import HTTPException
+
+    if not state.engine.vllm_config.model_config.enable_sleep_mode:
+        raise HTTPException(400, "sleep mode is off: start the server with --enable-sleep-mode (GPU only)")
+    if level not in (1, 2):
+        raise HTTPException(400, f"'level' {level}: 1 (weights to CPU memory) or 2 (weights dropped)")
+    async with state.lock:  # never during a weight update
+        state.asleep = ["weights", "kv_cache"]  # (before the await: /generate refuses from here on)
+        await state.engine.sleep(level, mode="wait")
+        state.sleep_level = level
+    return {"status": "ok", "level": level, "asleep": state.asleep}
+
+
+async def wake_engine(args: Args, state: ServerState, tags: Optional[list[str]]) -> dict:
+    """/wake_up: vLLM takes its memory back, all of it or only `tags` ("weights" first, push, then "kv_cache": the
+    trainer's push never meets a KV cache on the GPU). /generate answers again once nothing sleeps."""
+    from fastapi import HTTPException
+
+    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+        raise HTTPException(400, f"'tags' {tags}: a subset of ['weights', 'kv_cache'] (none: both)")
+    async with state.lock:
+        if state.asleep:
+            await state.engine.wake_up(tags)
+        state.asleep = [t for t in state.asleep if tags is not None and t not in tags]
+    return {"status": "ok", "asleep": state.asleep}
+
+
+def asleep_problem(state: ServerState, need: str) -> Optional[str]:
+    """Why a route that needs vLLM's `need` ("weights", or "" for everything) must answer 409 now, or None."""
+    if state.asleep and (need == "" or need in state.asleep):
+        return f"the engine sleeps ({', '.join(state.asleep)} released): POST /wake_up first"
+    return None
 
 
 @asynccontextmanager
@@ -612,6 +902,7 @@ def add_routes(app, args: Args, state: ServerState) -> None:
             "communicator": state.communicator,
             "last_error": state.last_error,
             "generating": state.generating,
+            "asleep": state.asleep,  # what vLLM released in /sleep ([]: awake)
             "model": state.model,
             "dtype": state.dtype,  # what /update_param_batch expects on the wire
             "sync_timeout_s": args.sync_timeout_s,
@@ -656,6 +947,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
+        if (problem := asleep_problem(state, "")) is not None:  # a sleeping engine would hold the request forever
+            raise HTTPException(409, problem)
         if (req.prompts is None) == (req.messages is None):
             raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
         kind = "prompts" if req.messages is None else "messages"
@@ -693,14 +986,23 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         return {"version": state.version, "results": results}
 
     class InitRequest(BaseModel):
-        host: str
-        port: int
-        world_size: int
+        host: str = ""  # (the collective transport's)
+        port: int = 0
+        world_size: int = 0
+        transport: Literal["collective", "shared"] = "collective"
+        shared: Optional[dict] = None  # the staging buffer (transport "shared"): see check_shared_spec
         rank_offset: int = 1
         connections: int = Field(1, ge=1, le=64)  # gloo's (CPU): as many as the trainer's end of the group has
 
     @app.post("/init_communicator")
     async def init_communicator(req: InitRequest):
+        if req.transport == "shared":  # the trainer's staging buffer, on this machine, instead of a group
+            if (problem := await shared_spec_problem(args, state, req.shared)) is not None:
+                raise HTTPException(400, problem)
+            if state.updating:
+                raise HTTPException(409, "a weight update is running")
+            state.tasks += 1
+            return two_lines({"status": "mapping"}, asyncio.create_task(map_shared(args, state, req.shared)))
         lo = req.rank_offset
         ranks = list(range(lo, lo + state.workers))  # this server's workers, after the trainer (and other servers)
         if lo < 1 or req.world_size < lo + state.workers:
@@ -726,10 +1028,16 @@ def add_routes(app, args: Args, state: ServerState) -> None:
             raise HTTPException(409, "no communicator: POST /init_communicator first")
         if state.updating:
             raise HTTPException(409, "another weight update is running")
+        if (problem := asleep_problem(state, "weights")) is not None:
+            raise HTTPException(409, problem)
+        shared = state.communicator.get("transport") == "shared"
         problem = check_push(req.params, state.specs, state.packed)  # before any collective starts
+        if problem is None and shared:
+            problem = check_shared_slices(req.params, state.communicator["numel"])
         if problem is not None:
             raise HTTPException(400, problem)
-        params = [{"name": p["name"], "dtype": p["dtype"], "shape": list(p["shape"])} for p in req.params]
+        keys = ("name", "dtype", "shape", "offset", "round") if shared else ("name", "dtype", "shape")
+        params = [{k: p[k] for k in keys} for p in req.params]
         state.updating = True
         state.tasks += 1
         # a task of its own: the receive completes only once the trainer, told by line 1, broadcasts
@@ -744,6 +1052,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     async def load_checkpoint_route(req: CheckpointRequest):
         if state.updating:
             raise HTTPException(409, "another weight update is running")
+        if (problem := asleep_problem(state, "weights")) is not None:  # (it would write unmapped memory)
+            raise HTTPException(409, problem)
         try:
             done = await load_checkpoint(args, state, req.path, req.version)
         except ValueError as e:  # refused before anything was read into the engine
@@ -762,8 +1072,24 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         state.communicator = None
         return {"status": "ok"}
 
+    class SleepRequest(BaseModel):
+        level: int = 1
+
+    @app.post("/sleep")
+    async def sleep(req: SleepRequest):
+        return await sleep_engine(args, state, req.level)
+
+    class WakeRequest(BaseModel):
+        tags: Optional[list[str]] = None
+
+    @app.post("/wake_up")
+    async def wake_up(req: WakeRequest):
+        return await wake_engine(args, state, req.tags)
+
     @app.get("/weights_checksum")
     async def weights_checksum():
+        if (problem := asleep_problem(state, "weights")) is not None:
+            raise HTTPException(409, problem)
         async with state.lock:  # not during an update
             checksums = await collective(args, state, "sync_checksums")
             return {"version": state.version, "checksums": checksums}
@@ -846,6 +1172,9 @@ def parse_vllm_args(argv: list[str]):
     if not torch.cuda.is_available():
         parser.set_defaults(**CPU_ENGINE_FLAGS)  # CPU ONLY
     vllm_args = parser.parse_args(argv)
+    if vllm_args.enable_sleep_mode and not torch.cuda.is_available():  # CPU ONLY: vLLM sleeps on GPUs only
+        print("vllm_sync_server: --enable-sleep-mode ignored: vLLM's sleep mode needs a GPU", flush=True)
+        vllm_args.enable_sleep_mode = False
     if vllm_args.model_tag is not None:  # `vllm_sync_server.py MODEL`, as `vllm serve MODEL`
         vllm_args.model = vllm_args.model_tag
     if vllm_args.worker_extension_cls:

@@ -10,7 +10,11 @@ run.
        - one broadcast per tensor, on 1 connection and on CONNECTIONS;
        - packed: the tensors copied into two reused 64 MiB buffers, broadcast, copied out (the other answer to
          "one by one or packed?": it decided for one by one);
-  3. a per-parameter protocol as TRL's vllm_serve does it: one HTTP request, one broadcast and one barrier (the
+  3. the shared transport (transport "shared", one GPU's way: CUDA IPC there, a /dev/shm file here): the server maps
+     a staging buffer of the trainer's; a push writes every tensor into its slice and counts it written, the server
+     copies each into the engine as soon as it is counted. Its limit: torch copying the same bytes once (one flat
+     copy_, memory touched before), in the same round;
+  4. a per-parameter protocol as TRL's vllm_serve does it: one HTTP request, one broadcast and one barrier (the
      request's completion) per tensor. vLLM fuses q/k/v and gate/up, which must travel together (see the server),
      so those go as one request of 3 or 2 broadcasts: slightly kinder to this baseline than one per tensor.
 
@@ -169,6 +173,45 @@ def push(url, pg, named):
     return done
 
 
+def map_shared(url, named, stem):
+    """The shared transport's mapping: every tensor's slice in a /dev/shm file (64-element aligned, as the scripts lay
+    it out) and the two control words. The files stay (unlinked at the end): re-mapped after each gloo round."""
+    dtype = next(iter(named.values())).dtype
+    offsets, numel = [], 0
+    for t in named.values():
+        offsets.append(numel)
+        numel = -(-(numel + t.numel()) // 64) * 64
+    buffer = torch.from_file(stem + ".buffer", shared=True, size=numel, dtype=dtype)
+    control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)
+    spec = {"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "numel": numel}
+    spec |= {"path": stem + ".buffer", "control": stem + ".control"}
+    it = lines(requests.post(url + "/init_communicator", json={"transport": "shared", "shared": spec}, stream=True))
+    assert next(it)["status"] == "mapping"
+    assert next(it)["status"] == "ok"
+    return buffer, control, offsets
+
+
+def push_shared(url, shared, named):
+    """The scripts' shared push: one POST, then each tensor written into its slice and counted (the server copies
+    each out as soon as it is counted)."""
+    buffer, control, offsets = shared
+    params = [
+        {"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": o, "round": 0}
+        for (n, t), o in zip(named.items(), offsets, strict=True)
+    ]
+    control.zero_()
+    r = requests.post(url + "/update_param_batch", json={"params": params}, stream=True)
+    r.raise_for_status()
+    it = lines(r)
+    next(it)
+    for i, (t, offset) in enumerate(zip(named.values(), offsets, strict=True)):
+        buffer[offset : offset + t.numel()].view_as(t).copy_(t)
+        control[0] = i + 1
+    done = next(it)
+    assert done["status"] == "ok", done
+    return done
+
+
 def push_per_parameter(url, pg, named, groups):
     """The per-parameter protocol: one request (and its broadcasts) per group of `per_parameter_groups`."""
     for group in groups:
@@ -274,6 +317,9 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     raw_pgs = raw_groups(raw_store, 0)
     one, each, staging = [pattern(nbytes)], [pattern(n) for n in sizes], [pattern(PACKED) for _ in range(2)]
     names = {"one": "one broadcast", "each": "one broadcast per tensor", "packed": "packed, 64 MiB buffers"}
+    flat = torch.cat([t.reshape(-1) for t in named.values()])  # the memory copy's source and target, touched before
+    flat_copy = torch.empty_like(flat).copy_(flat)
+    stem = os.path.join("/dev/shm", f"cleanrlvr-bench-{os.getpid()}")
     times, ratios = {}, {}
 
     def clock(label, fn, keep=True):
@@ -291,9 +337,9 @@ def main(shape: str, dtype: str, tmp: str) -> None:
             model_dir, os.path.join(tmp, f"server-{mode}.log"), "--max-num-seqs", "8", "--dtype", dtype, *flags
         )
         try:
-            pg, store = make_group(url)
-            assert push(url, pg, named)["direct"] == (mode == "direct"), "the server did not take this load path"
             for r in range(REPEATS + 1):  # round 0: warm-up, not counted
+                pg, store = make_group(url)  # (the gloo group and the shared mapping replace each other, untimed)
+                assert push(url, pg, named)["direct"] == (mode == "direct"), "the server did not take this load path"
                 raw = {}
                 for (c, way), rpg in raw_pgs.items():
                     transfer = functools.partial(
@@ -302,7 +348,17 @@ def main(shape: str, dtype: str, tmp: str) -> None:
                     raw[c, way] = clock(f"raw, {names[way]}, {c} connection(s)", transfer, keep=r > 0)
                 label = f"this protocol ({mode})"
                 pushed = clock(label, functools.partial(push, url=url, pg=pg, named=named), keep=r > 0)
+                shared = map_shared(url, named, stem)
+                assert push_shared(url, shared, named)["direct"] == (mode == "direct")  # (its pages mapped, untimed)
+                copied = clock(
+                    "raw, torch copying the bytes once", functools.partial(flat_copy.copy_, flat), keep=r > 0
+                )
+                pushed_shared = clock(
+                    f"shared transport ({mode})", functools.partial(push_shared, url, shared, named), keep=r > 0
+                )
                 if r > 0:
+                    ratios.setdefault(f"shared ({mode}) / one memory copy", []).append(pushed_shared / copied)
+                    ratios.setdefault(f"shared ({mode}) / this protocol ({mode})", []).append(pushed_shared / pushed)
                     for c in (1, CONNECTIONS):
                         ratios.setdefault(f"{label} / one broadcast, {c} connection(s)", []).append(
                             pushed / raw[c, "one"]
@@ -312,6 +368,7 @@ def main(shape: str, dtype: str, tmp: str) -> None:
                     )
                     ratios.setdefault(f"{label}, per tensor", []).append(pushed / raw[CONNECTIONS, "each"])
             if mode == "direct":
+                pg, store = make_group(url)
                 groups = per_parameter_groups(list(named))
                 per_param = clock(
                     f"per-parameter protocol ({len(groups)} requests)",
@@ -321,6 +378,8 @@ def main(shape: str, dtype: str, tmp: str) -> None:
         finally:
             stop_server(proc)
     receiver.join()
+    for suffix in (".buffer", ".control"):
+        os.unlink(stem + suffix)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     raw = min(med["raw, one broadcast, 1 connection(s)"], med[f"raw, one broadcast, {CONNECTIONS} connection(s)"])
@@ -347,6 +406,13 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     per_tensor = r["this protocol (direct), per tensor"]
     print(f"this protocol / raw one broadcast per tensor, same round        = {per_tensor:.2f}x")
     print(f"per-parameter / this protocol                          = {r['per-parameter']:.1f}x (target >= 3x)")
+    for mode in ("direct", "layerwise reload"):
+        vs_copy = r[f"shared ({mode}) / one memory copy"]
+        vs_gloo = r[f"shared ({mode}) / this protocol ({mode})"]
+        print(
+            f"shared transport ({mode}) / one memory copy, same round = {vs_copy:.2f}x; "
+            f"/ the gloo push, same round = {vs_gloo:.2f}x (target < 1)"
+        )
 
 
 TRANSPORT_ROUNDS = 3  # each restart starts an engine: tens of seconds
@@ -436,6 +502,7 @@ def transports(shape: str, dtype: str, tmp: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="small", help="the random model's shapes")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds per server (1: a quick check)")
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and the push's"
     )
@@ -443,6 +510,7 @@ if __name__ == "__main__":
         "--transports", action="store_true", help="restart, checkpoint reload and broadcast, side by side, instead"
     )
     args, tmp = parser.parse_args(), tempfile.mkdtemp()
+    REPEATS = args.repeats
     try:
         if args.transports:
             transports(args.shape, args.dtype, tmp)

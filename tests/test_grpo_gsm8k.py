@@ -2,6 +2,7 @@
 vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the script is tested by changing SCRIPT."""
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from conftest import (
     ROOT,
     assert_learned,
     assert_seed_streams_distinct,
+    free_port,
     import_script,
     load_weights,
     max_abs_diff,
@@ -228,6 +230,74 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
     results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=temperature, max_tokens=24, concurrency=4, seeds=seeds)
     worst = worst_logprob_gap(G, model, GAP_PROMPTS, results, temperature)
     assert worst < 1e-4, worst
+
+
+def test_alignment_over_the_shared_transport(toy):
+    """The same agreement when the weights travel through the shared transport (a /dev/shm staging buffer on CPU, the
+    protocol and copy code of CUDA IPC): the script's own init_shared_sync and push, other weights than the server's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy.model, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)  # weights the server cannot hold already
+    sync = G.init_shared_sync(toy.url, torch.device("cpu"), model)
+    assert sync["places"][-1][0] == 0  # the whole model in one round
+    done = G.push_weights(sync, model, version=200)
+    assert done["status"] == "ok" and done["version"] == 200, done
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+    results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=1.0, max_tokens=24, concurrency=4, seeds=seeds)
+    assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
+    assert G.verify_weights(sync, model) > 0
+
+
+def test_staging_layout():
+    """Every tensor in its round fits the buffer, starts aligned, overlaps no other of its round; rounds count up in
+    push order; without a window everything is in round 0."""
+    numels = [1000, 3, 64, 5000, 7, 7, 4096, 1]
+    for window in (None, 5000, 6000, 100):
+        places, size = G.staging_layout(numels, window, align=64)
+        assert size >= max(numels) and (window is None or size <= max(window, max(numels)))
+        rounds = [r for r, _ in places]
+        assert (
+            rounds == sorted(rounds)
+            and rounds[0] == 0
+            and all(b - a <= 1 for a, b in zip(rounds, rounds[1:], strict=False))
+        )
+        for r in set(rounds):
+            spans = sorted((o, o + n) for (rr, o), n in zip(places, numels, strict=True) if rr == r)
+            assert all(o % 64 == 0 and end <= size for o, end in spans)
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+        if window is None:
+            assert set(rounds) == {0}
+    places, size = G.staging_layout(numels, 100)
+    assert size == 5000 and places[-1][0] == 2  # a window grows to the largest tensor, which is never split
+
+
+def test_shared_transport_end_to_end_with_the_script_starting_its_server(toy_model, tmp_path):
+    """--start-server --sync-transport shared on CPU: the script starts its own server, pushes through a /dev/shm
+    staging buffer used as a window in rounds (--staging-mib 1 < the toy model's 1.3 MB), verifies every push by
+    checksum (--verify-sync), and the trainer's logprobs agree with the sampler's. Nothing is left in /dev/shm."""
+    port = free_port()
+    before = set(os.listdir("/dev/shm"))
+    server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
+    out, m = run_script(
+        f"http://127.0.0.1:{port}",
+        tmp_path,
+        "--start-server",
+        f"--server-args={server_args}",
+        "--sync-transport",
+        "shared",
+        "--staging-mib",
+        "1",
+        "--train-steps",
+        "2",
+        "--verify-sync",
+        model=toy_model,
+    )
+    assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("cleanrlvr-")]
 
 
 # Runs A (2 steps), B (A resumed for a third) and C (3 steps straight) are shared by the tests below through
@@ -504,3 +574,4 @@ def test_help_is_fast():
     t0 = time.time()
     r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
+    assert re.search(r"--sync-transport \{[a-z,]*shared", r.stdout) and "--vllm-sleep-level" in r.stdout
