@@ -470,7 +470,7 @@ if __name__ == "__main__":
     out = args.out or f"{args.task}_eval.jsonl"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
-    served = requests.get(url + "/health", timeout=30, headers=auth_headers()).json().get("model")
+    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
     if served != args.model:  # the tokenizer and template come from --model, the completions from the server
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]

@@ -394,7 +394,7 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
     default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
 
-    infos = [requests.get(url + "/health", timeout=30, headers=auth_headers()).json() for url in urls]
+    infos = [requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json() for url in urls]
     dtypes = {info["dtype"] for info in infos}
     if len(dtypes) != 1:
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")

@@ -571,7 +571,7 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
     import torch.distributed as dist
 
-    info = requests.get(url + "/health", timeout=30, headers=auth_headers()).json()
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     if info["device"] != device.type:  # NCCL on one end and gloo on the other never meet: say so before joining
         raise RuntimeError(
             f"the server at {url} runs on {info['device']} and this trainer on {device.type}: the weight "

@@ -1,83 +1,68 @@
 # docs and experiment results: docs/vllm_sync_server.md
-"""vllm_sync_server.py: a small vLLM server that generates, and takes new weights from a trainer.
+"""vllm_sync_server.py: vLLM's own OpenAI-compatible server, plus the routes an RL trainer needs to sample and to push
+new weights.
 
-vLLM's async engine (V1) runs in this process next to the HTTP routes. The trainer is rank 0 of a collective group it
-owns (NCCL on GPU, gloo on CPU); this server's workers join it. Details: docs/vllm_sync_server.md
+It is `vllm serve` (the same app, the same flags, the same /v1 routes) with a handful of routes added: /generate (token
+ids in; token ids, the sampler's logprobs and the policy versions out) and the weight sync. The trainer is rank 0 of a
+collective group it owns (NCCL on GPU, gloo on CPU); this server's workers join it. Details: docs/vllm_sync_server.md
 
   python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16     # GPU, 127.0.0.1:8000
-  python vllm_sync_server.py --model ./tiny --dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864  # CPU
+  python vllm_sync_server.py --model ./tiny --dtype float32 --kv-cache-memory-bytes 67108864  # CPU
+
+Every `vllm serve` flag works here, spelled and meant the same (`vllm serve --help`, or
+https://docs.vllm.ai/en/latest/cli/serve.html); this server's defaults differ in three: --host 127.0.0.1 (it takes
+weights: bind wider with --api-key), --generation-config vllm and --logprobs-mode processed_logprobs (what the sampler
+drew from). --api-key (or $VLLM_API_KEY) guards every route but /health.
 
 The protocol, in the order a trainer calls it:
-  1. GET /health: the dtype weights travel in, sync_timeout_s, the engine's limits, `workers` (the group has
-     1 + workers ranks) and `device` (cuda: NCCL, cpu: gloo).
+  1. GET /health until it answers 200, then GET /runtime_version: the dtype weights travel in, sync_timeout_s, the
+     engine's limits, `workers` (the group has 1 + workers ranks) and `device` (cuda: NCCL, cpu: gloo).
   2. The trainer hosts a TCPStore, then POST /init_communicator {host, port, world_size}. Line 1 ("joining"):
      build your end of the group now; line 2: the workers are in the group ("ok"), or why not ("error").
   3. Every push: POST /update_param_batch {params: [{name, dtype, shape}], version?}, checked first (a 400 names the
      parameter). Line 1 ("receiving"): broadcast each tensor now, in that order; line 2: the report (version,
      num_params, direct, paused, seconds) or the error.
-  4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it),
-     GET /runtime_version (version, updating, communicator, last_error, generating), GET /weights_checksum (sha256 per
-     Hugging Face name, to compare with the trainer's own), /get_num_background_tasks, /reset_prefix_cache and
-     /close_communicator.
+  4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it), vLLM's
+     /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
+     last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
+     /get_num_background_tasks, /reset_prefix_cache and /close_communicator.
 """
 
 import asyncio
 import datetime
 import glob
 import hashlib
-import hmac
 import json
 import os
-import socket
 import sys
 import time
 import uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional  # torch, vLLM, the web stack: imported where used (fast --help)
+from typing import Any, Optional  # torch, vLLM, the web stack: imported where used (fast --help)
 
 
 @dataclass
 class Args:
-    model: str
-    """Hugging Face model id or local directory (a safetensors checkpoint)"""
-    host: str = "127.0.0.1"
-    """address to bind; anything but loopback should come with --api-key"""
-    port: int = 8000
-    """HTTP port"""
-    dtype: str = "auto"
-    """engine dtype (auto, bfloat16, float16, float32); trainers must send weights in this dtype"""
-    gpu_memory_utilization: float = 0.9
-    """fraction of GPU memory vLLM may use (ignored on CPU)"""
-    max_model_len: Optional[int] = None
-    """maximum prompt + completion length (default: the model's)"""
-    max_num_seqs: int = 256
-    """maximum number of sequences the engine batches at once"""
-    tensor_parallel_size: int = 1
-    """number of GPUs the model is split over"""
-    enforce_eager: bool = False
-    """disable CUDA graphs / torch.compile (faster start, slower decoding)"""
-    seed: int = 0
-    """engine seed"""
-    api_key: Optional[str] = None
-    """if set, every route but /health requires the header `Authorization: Bearer <key>` (default: $VLLM_API_KEY)"""
+    """This server's own flags. Every other flag is vLLM's (`vllm serve --help`)."""
+
     sync_timeout_s: float = 120.0
     """timeout of every collective; a trainer silent for longer is dropped"""
-    kv_cache_memory_bytes: Optional[int] = None
-    """KV cache size in bytes (handy on CPU); default: vLLM's choice"""
     direct_load: bool = True
     """receive pushed tensors straight into the engine's weights when the model allows (TP=1, unquantized);
     off: vLLM's layerwise reload"""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """uvicorn log level"""
 
 
-SERVER_FLAGS = {"host", "port", "api_key", "sync_timeout_s", "direct_load", "log_level"}  # the rest are vLLM's
+VLLM_DEFAULTS = {
+    "host": "127.0.0.1",  # vLLM's default binds every interface; this server replaces weights on request
+    "generation_config": "vllm",  # the model's generation_config.json must not change a trainer's sampling
+    "logprobs_mode": "processed_logprobs",  # logprobs after temperature/top-p: what the sampler drew from
+}
 
 
 @dataclass
 class ServerState:
-    """What the routes share. The first six fields change as the server runs; the rest are set once, at start."""
+    """What our routes share. The first six fields change as the server runs; the rest are set once, at start."""
 
     version: int = 0  # the policy version the engine computes with: 0, then +1 per push or the version sent
     communicator: Optional[dict] = None  # the group the workers joined; None before /init_communicator, after an error
@@ -85,8 +70,9 @@ class ServerState:
     tasks: int = 0  # joins and updates still running
     last_error: Optional[str] = None  # the last failed join or update
     generating: int = 0  # /generate calls past the gate: their requests are in (or entering) the engine
-    engine: Any = None  # vLLM's AsyncLLM
+    engine: Any = None  # vLLM's AsyncLLM, shared with vLLM's own routes
     tokenizer: Any = None  # applies the chat template to /generate's messages
+    model: str = ""  # the model's path or id (--model)
     dtype: str = ""  # the engine's dtype: pushed tensors travel in it
     max_num_seqs: int = 0  # the engine's limits, which bound /generate
     max_model_len: int = 0
@@ -375,39 +361,27 @@ async def collective(args: Args, state: ServerState, method: str, **kwargs):
     return answers[0]
 
 
-async def start_engine(args: Args, state: ServerState) -> None:
-    """Start vLLM's async engine (it needs a running event loop: the app's lifespan calls this) and fill in `state`."""
+async def prepare_sync(args: Args, state: ServerState, engine, model: str) -> None:
+    """Fill in `state` from vLLM's running engine; every worker maps the checkpoint's tensor names to its own."""
     import torch
     from huggingface_hub import snapshot_download
-    from transformers import AutoTokenizer
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    vllm_flags = {k: v for k, v in vars(args).items() if k not in SERVER_FLAGS}  # under the same names
-    if not torch.cuda.is_available():
-        vllm_flags.update(CPU_ENGINE_FLAGS)  # CPU ONLY
-    engine_args = AsyncEngineArgs(
-        **vllm_flags,
-        worker_extension_cls="vllm_sync_server.WeightSyncWorker",
-        logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: what the sampler used
-        generation_config="vllm",  # the model's generation_config must not change our sampling
-    )
-    engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
-    await engine.update_weight_version("0")
+    config = engine.vllm_config
     state.engine = engine
-    state.dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    state.tokenizer = AutoTokenizer.from_pretrained(args.model)
-    state.gate.set()
-    state.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
-    state.max_model_len = engine.vllm_config.model_config.max_model_len
+    state.tokenizer = engine.get_tokenizer()
+    state.model = model
+    state.dtype = str(config.model_config.dtype).removeprefix("torch.")
+    state.max_num_seqs = config.scheduler_config.max_num_seqs
+    state.max_model_len = config.model_config.max_model_len
     # what a trainer needs to build its end of the group: one rank per worker, and the same backend (NCCL on GPU)
-    state.workers = engine.vllm_config.parallel_config.world_size
+    state.workers = config.parallel_config.world_size
     state.device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = args.model if os.path.isdir(args.model) else snapshot_download(args.model, allow_patterns=["*.safetensors"])
+    await engine.update_weight_version("0")
+    state.gate.set()
+    path = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors"])
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise SystemExit(f"{args.model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
+        raise SystemExit(f"{model}: no *.safetensors files; weight sync needs a safetensors checkpoint")
     shapes, state.packed = await collective(args, state, "sync_prepare", files=files)
     state.specs = {name: {"dtype": state.dtype, "shape": shape} for name, shape in shapes.items()}
 
@@ -429,42 +403,52 @@ async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> d
         state.tasks -= 1
 
 
+@asynccontextmanager
+async def engine_held(state: ServerState):
+    """Hold the engine while new weights go in; yields whether requests were in flight. Requests in flight (ours or
+    vLLM's /v1): vLLM's pause ("keep": queued, KV cleared, recomputed with the new weights on resume). None: /generate
+    holds new ones at its gate, the RPC runs in the engine's loop between steps, and the prefix cache goes after."""
+    engine = state.engine
+    idle = state.generating == 0 and engine.get_num_unfinished_requests() == 0
+    if idle:
+        state.gate.clear()
+    else:
+        await engine.pause_generation(mode="keep", clear_cache=True)
+    try:
+        yield not idle
+    finally:
+        if idle:
+            await engine.reset_prefix_cache()  # the cached KV of a prompt prefix came from the old weights
+        else:
+            await engine.resume_generation()
+        state.gate.set()
+
+
+async def advance_version(state: ServerState, version: Optional[int]) -> None:
+    """The engine computes with new weights: `version`, or the current one + 1. vLLM labels every token sampled from
+    now on with it (each completion's version_spans)."""
+    if version is not None:
+        state.version = version
+    else:
+        state.version += 1
+    await state.engine.update_weight_version(str(state.version))
+
+
 async def receive_push(args: Args, state: ServerState, params: list[dict], version: Optional[int]) -> dict:
     """The second half of /update_param_batch, while the trainer broadcasts. Returns the report; a failure drops the
     communicator (the worker already dropped its end) and is reported, not raised."""
     t0 = time.perf_counter()
-    engine = state.engine
     try:
-        async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
-            # Requests in flight: vLLM's pause ("keep": queued, KV cleared, recomputed with the new weights on resume).
-            # None: /generate holds new ones at its gate, and the RPC runs in the engine's loop between steps.
-            idle = state.generating == 0
-            if idle:
-                state.gate.clear()
-            else:
-                await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-            try:
-                # every worker receives each tensor from rank 0, which broadcasts once it has read line 1
-                num_params, direct = await collective(
-                    args, state, "sync_update", params=params, direct=args.direct_load
-                )
-                if version is not None:
-                    state.version = version
-                else:
-                    state.version += 1
-                await engine.update_weight_version(str(state.version))  # labels every token sampled from now on
-            finally:
-                if idle:
-                    await engine.reset_prefix_cache()  # the cached KV of a prompt prefix came from the old weights
-                else:
-                    await engine.resume_generation()
-                state.gate.set()
+        async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
+            # every worker receives each tensor from rank 0, which broadcasts once it has read line 1
+            num_params, direct = await collective(args, state, "sync_update", params=params, direct=args.direct_load)
+            await advance_version(state, version)
         return {
             "status": "ok",
             "version": state.version,
             "num_params": num_params,
             "direct": direct,
-            "paused": not idle,
+            "paused": paused,
             "seconds": round(time.perf_counter() - t0, 4),
         }
     except Exception as e:
@@ -489,26 +473,12 @@ def completion_json(c) -> dict:
     }
 
 
-def build_app(args: Args, state: ServerState):
-    """The FastAPI app: the engine starts with it, and every route but /health checks the key."""
-    from fastapi import Depends, FastAPI, HTTPException, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+def add_routes(app, args: Args, state: ServerState) -> None:
+    """Our routes, on vLLM's app: /generate, the weight sync, and what a trainer reads about them."""
+    from fastapi import HTTPException
+    from fastapi.responses import StreamingResponse
     from pydantic import BaseModel, Field
     from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    @asynccontextmanager
-    async def lifespan(app):
-        await start_engine(args, state)
-        yield
-        state.engine.shutdown()
-
-    def require_key(request: Request) -> None:  # a dependency of every route: runs before the body is even parsed
-        if not args.api_key or request.url.path == "/health":
-            return
-        if not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {args.api_key}"):
-            raise HTTPException(401, "this route needs the header 'Authorization: Bearer <api key>'")
-
-    app = FastAPI(title="vllm_sync_server", lifespan=lifespan, dependencies=[Depends(require_key)])
 
     def two_lines(first: dict, task: asyncio.Task) -> StreamingResponse:
         async def lines():
@@ -516,22 +486,6 @@ def build_app(args: Args, state: ServerState):
             yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @app.get("/health")
-    async def health():
-        if state.engine.errored:  # its process died (a crash, a kill, NCCL's watchdog): never answer "ok"
-            error = "vLLM's engine process is dead: restart the server"
-            return JSONResponse({"status": "dead", "error": error}, status_code=503)
-        return {
-            "status": "ok",
-            "model": args.model,
-            "dtype": state.dtype,  # what /update_param_batch expects on the wire
-            "sync_timeout_s": args.sync_timeout_s,
-            "max_num_seqs": state.max_num_seqs,  # the limits of /generate
-            "max_model_len": state.max_model_len,
-            "workers": state.workers,  # the trainer's group: 1 + workers ranks, on this backend
-            "device": state.device,
-        }
 
     @app.get("/runtime_version")
     async def runtime_version():
@@ -541,6 +495,13 @@ def build_app(args: Args, state: ServerState):
             "communicator": state.communicator,
             "last_error": state.last_error,
             "generating": state.generating,
+            "model": state.model,
+            "dtype": state.dtype,  # what /update_param_batch expects on the wire
+            "sync_timeout_s": args.sync_timeout_s,
+            "max_num_seqs": state.max_num_seqs,  # the limits of /generate
+            "max_model_len": state.max_model_len,
+            "workers": state.workers,  # the trainer's group: 1 + workers ranks, on this backend
+            "device": state.device,
         }
 
     @app.get("/get_num_background_tasks")
@@ -676,31 +637,108 @@ def build_app(args: Args, state: ServerState):
             checksums = await collective(args, state, "sync_checksums")
             return {"version": state.version, "checksums": checksums}
 
-    return app
+
+def key_required(app, keys: list[str]):
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`. vLLM's own check guards only its
+    /v1 routes; this one guards ours (which replace weights) and vLLM's others alike, with the same keys."""
+    from starlette.datastructures import Headers
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    vllm_check = AuthenticationMiddleware(app, keys)  # its verify_token: sha256 digests, compared in constant time
+
+    async def guarded(scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        open_route = scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" or path == "/health"
+        if open_route or vllm_check.verify_token(Headers(scope=scope)):
+            await app(scope, receive, send)
+            return
+        error = "this route needs the header 'Authorization: Bearer <api key>'"
+        await JSONResponse({"error": error}, status_code=401)(scope, receive, send)
+
+    return guarded
 
 
-def main(args: Args) -> None:
-    args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None  # vLLM's own convention, as `vllm serve`
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(
-            f"WARNING: binding {args.host} without --api-key: anyone who reaches this port can replace the "
-            "model's weights",
-            file=sys.stderr,
-            flush=True,
-        )
+async def serve(args: Args, vllm_args) -> None:
+    """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
     # The port is taken now, before the model loads, as vLLM's own server does: none of vLLM's processes can pick it
     # meanwhile, and a busy port fails here, at once.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    import uvicorn  # the heavy imports wait until here: --help stays fast
+    listen_address, sock = setup_server(vllm_args, reuse_port=False)
+    async with build_async_engine_client(vllm_args) as engine:
+        state = ServerState()
+        await prepare_sync(args, state, engine, vllm_args.model)
+        tasks = await engine.get_supported_tasks()
+        app = build_app(vllm_args, tasks, engine.model_config)
+        add_routes(app, args, state)
+        keys = [key for key in (vllm_args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
+        if keys:  # outermost: vLLM's bootstrap already built the app's middleware stack, so the check wraps it
+            app.middleware_stack = key_required(app.middleware_stack or app.build_middleware_stack(), keys)
+        await init_app_state(engine, app.state, vllm_args, tasks)
+        print(f"vllm_sync_server: serving {vllm_args.model} on {listen_address}", flush=True)
+        # vLLM's uvicorn runner, with the frontend flags of `vllm serve` (TLS, logging, header limits)
+        shutdown = await serve_http(
+            app,
+            sock=sock,
+            enable_ssl_refresh=vllm_args.enable_ssl_refresh,
+            host=vllm_args.host,
+            port=vllm_args.port,
+            log_level=vllm_args.uvicorn_log_level,
+            log_config=get_uvicorn_log_config(vllm_args),
+            access_log=not vllm_args.disable_uvicorn_access_log,
+            ssl_keyfile=vllm_args.ssl_keyfile,
+            ssl_certfile=vllm_args.ssl_certfile,
+            ssl_ca_certs=vllm_args.ssl_ca_certs,
+            ssl_cert_reqs=vllm_args.ssl_cert_reqs,
+            ssl_ciphers=vllm_args.ssl_ciphers,
+            h11_max_incomplete_event_size=vllm_args.h11_max_incomplete_event_size,
+            h11_max_header_count=vllm_args.h11_max_header_count,
+        )
+    await shutdown  # after the engine stopped, as vLLM's own server does
+    sock.close()
 
+
+def parse_vllm_args(argv: list[str]):
+    """Every flag our Args do not take, read by vLLM's own `vllm serve` parser, with this server's defaults."""
+    import torch
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm_sync_server.py"))
+    parser.set_defaults(**VLLM_DEFAULTS)
+    if not torch.cuda.is_available():
+        parser.set_defaults(**CPU_ENGINE_FLAGS)  # CPU ONLY
+    vllm_args = parser.parse_args(argv)
+    if vllm_args.model_tag is not None:  # `vllm_sync_server.py MODEL`, as `vllm serve MODEL`
+        vllm_args.model = vllm_args.model_tag
+    if vllm_args.worker_extension_cls:
+        parser.error("--worker-extension-cls: this server's own (WeightSyncWorker) is the one its workers need")
+    vllm_args.worker_extension_cls = "vllm_sync_server.WeightSyncWorker"  # every worker gets the sync_ methods
+    validate_parsed_serve_args(vllm_args)
+    return vllm_args
+
+
+def main(args: Args, vllm_argv: list[str]) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)  # vLLM's processes import this file by name (the worker extension, the CPU executor)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    app = build_app(args, ServerState())
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    uvicorn.Server(config).run(sockets=[sock])
+    vllm_args = parse_vllm_args(vllm_argv)  # the heavy imports wait until here: --help stays fast
+    keyed = vllm_args.api_key or os.environ.get("VLLM_API_KEY")
+    if vllm_args.host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        print(
+            f"WARNING: binding {vllm_args.host or 'every interface'} without --api-key: anyone who reaches this port "
+            "can replace the model's weights",
+            file=sys.stderr,
+            flush=True,
+        )
+    import uvloop
+
+    uvloop.run(serve(args, vllm_args))
 
 
 # ======================================================================================================================
@@ -780,4 +818,4 @@ def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(Args, description=__doc__))
+    main(*tyro.cli(Args, description=__doc__, return_unknown_args=True))  # the unknown flags are vLLM's

@@ -20,6 +20,8 @@ SCRIPT = "vllm_sync_server.py"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYNC_TIMEOUT_S = 10
+SERVED = "tiny-served"  # vLLM's --served-model-name (a flag this server's own Args never had): the /v1 routes' name
+MAX_NUM_SEQS = 64  # vLLM's --max-num-seqs, which bounds /generate
 
 
 DIRECT = {}  # url -> whether the server receives pushes straight into the engine's tensors
@@ -41,7 +43,17 @@ def server(tiny_model, tmp_path_factory, request):
     flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
         proc, url = start_server(
-            tiny_model, log, *flags, "--sync-timeout-s", str(SYNC_TIMEOUT_S), "--max-model-len", "4096"
+            tiny_model,
+            log,
+            *flags,
+            "--sync-timeout-s",
+            str(SYNC_TIMEOUT_S),
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--served-model-name",
+            SERVED,
         )
     DIRECT[url], PID[url] = request.param == "direct", proc.pid
     yield url
@@ -145,6 +157,63 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     assert len(results) == 8 and all(len(r["results"][0]["completions"]) == 2 for r in results)
     r = requests.post(server + "/generate", json={"prompts": [[1]], "messages": [msgs]}, headers=AUTH)
     assert r.status_code == 400
+
+
+def openai_client(url: str, key: str = KEY):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=60, max_retries=0)
+
+
+def test_the_openai_client_gets_chat_and_completions(server):
+    """vLLM's own /v1 routes, through the official openai client: the model answers under --served-model-name, greedy
+    answers equal /generate's for the same tokens (the same engine), and a missing or wrong key is refused."""
+    import openai
+
+    client = openai_client(server)
+    assert [m.id for m in client.models.list().data] == [SERVED]
+    prompt = [5, 17, 33, 2, 91]
+    ours = generate(server, prompts=[prompt], temperature=0.0, max_tokens=8)["results"][0]["completions"][0]
+    theirs = client.completions.create(
+        model=SERVED, prompt=prompt, temperature=0, max_tokens=8, extra_body={"return_token_ids": True}
+    )
+    assert theirs.choices[0].token_ids == ours["token_ids"]
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    ours = generate(server, messages=[messages], temperature=0.0, max_tokens=8)["results"][0]["completions"][0]
+    chat = client.chat.completions.create(model=SERVED, messages=messages, temperature=0, max_tokens=8)
+    assert chat.choices[0].message.content == ours["text"]
+    with pytest.raises(openai.NotFoundError):  # the path is not the served name
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    for key in ("wrong", "EMPTY"):
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(server, key).completions.create(model=SERVED, prompt=prompt, max_tokens=2)
+
+
+def test_a_push_changes_the_greedy_answer_on_every_route(server, hf_model):
+    """After /update_param_batch, /v1/completions answers with the new weights, as /generate does: a push that
+    changes the greedy answer changes it on both routes; pushing the old weights back brings the old answer back."""
+    client = openai_client(server)
+    prompt = [44, 8, 120, 7]
+
+    def greedy() -> list[int]:
+        ours = generate(server, prompts=[prompt], temperature=0.0, max_tokens=8)["results"][0]["completions"][0]
+        theirs = client.completions.create(
+            model=SERVED, prompt=prompt, temperature=0, max_tokens=8, extra_body={"return_token_ids": True}
+        )
+        assert theirs.choices[0].token_ids == ours["token_ids"]
+        return ours["token_ids"]
+
+    old = {name: p.detach().clone() for name, p in hf_model.named_parameters()}  # (a tied weight: once)
+    torch.manual_seed(7)
+    new = {name: torch.randn_like(p) * 0.5 for name, p in old.items()}
+    before = greedy()
+    sync = SyncClient(server, api_key=KEY)
+    sync.init()
+    assert sync.push(new)["status"] == "ok"
+    changed = greedy()
+    assert changed != before
+    assert sync.push(old)["status"] == "ok"
+    assert greedy() == before
 
 
 LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here run with --max-model-len 4096)
@@ -295,14 +364,14 @@ def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
     for name, named in cases.items():
         t0 = time.time()
         r = client.push(named)
-        assert r.status_code == 400 and name in r.json()["detail"], (name, r.text)
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (name, r.text)
         assert time.time() - t0 < 5  # refused at once, nothing waits on a collective
     r = requests.post(
         server + "/init_communicator",
         headers={"Authorization": f"Bearer {KEY}"},
         json={"host": "127.0.0.1", "port": 1, "world_size": 2, "connections": 0},
     )
-    assert r.status_code == 422 and "connections" in r.text, r.text  # (pydantic's check: 1..64)
+    assert r.status_code == 400 and "connections" in r.text, r.text  # (pydantic's check, 1..64, in vLLM's error format)
     assert requests.get(server + "/health").ok
     assert requests.get(server + "/runtime_version", headers=AUTH).json()["updating"] is False
     # the communicator is still usable after refusals
@@ -421,6 +490,7 @@ def test_api_key_guards_every_route_but_health(server):
         )
     ]
     routes += [("GET", r) for r in ("/runtime_version", "/get_num_background_tasks", "/weights_checksum")]
+    routes += [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"), ("GET", "/metrics")]  # vLLM's
     for method, route in routes:
         r = requests.request(method, server + route, json={"prompts": [[1, 2]], "max_tokens": 1})
         assert r.status_code == 401, (route, r.status_code)
@@ -430,30 +500,32 @@ def test_api_key_guards_every_route_but_health(server):
         assert requests.get(server + route, headers=AUTH).status_code == 200, route
     assert requests.post(server + "/reset_prefix_cache", headers=AUTH).status_code == 200
     assert generate(server, prompts=[[1, 2]], max_tokens=1)["results"]  # (the helper sends the key)
-    health = requests.get(server + "/health")  # health stays open
-    assert health.ok and health.json()["sync_timeout_s"] == SYNC_TIMEOUT_S
+    assert requests.get(server + "/v1/models", headers=AUTH).status_code == 200
+    assert requests.get(server + "/health").ok  # health stays open
+    info = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert info["sync_timeout_s"] == SYNC_TIMEOUT_S and info["dtype"] == "float32"
 
 
 def test_generate_limits_follow_the_engine(server):
     """n, the prompts of one request (x n) and len(prompt) + max_tokens are bounded by the engine's max_num_seqs and
-    max_model_len (this module's servers run with --max-model-len 4096; vLLM's default max_num_seqs is 256): a request
-    over them is a 400 naming the field, at once, before anything reaches the engine."""
-    health = requests.get(server + "/health").json()
-    seqs, length = health["max_num_seqs"], health["max_model_len"]
-    assert (seqs, length) == (256, 4096), health
+    max_model_len (this module's servers run with vLLM's --max-model-len 4096 and --max-num-seqs 64): a request over
+    them is a 400 naming the field, at once, before anything reaches the engine."""
+    info = requests.get(server + "/runtime_version", headers=AUTH).json()
+    seqs, length = info["max_num_seqs"], info["max_model_len"]
+    assert (seqs, length) == (MAX_NUM_SEQS, 4096), info
 
     def refused(**body):
         t0 = time.time()
         r = requests.post(server + "/generate", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 400 and time.time() - t0 < 5, (r.status_code, r.text[:300])
-        return r.json()["detail"]
+        return r.json()["error"]["message"]  # (vLLM's error format, OpenAI's: every route of the app answers in it)
 
-    assert "'n' 257 " in refused(prompts=[[1, 2]], n=seqs + 1, max_tokens=1)
+    assert f"'n' {seqs + 1} " in refused(prompts=[[1, 2]], n=seqs + 1, max_tokens=1)
     assert "'n'" in refused(prompts=[[1, 2]], n=100_000, max_tokens=1)
-    assert "129 'prompts' x n 2 " in refused(prompts=[[1, 2]] * (seqs // 2 + 1), n=2, max_tokens=1)
+    assert f"{seqs // 2 + 1} 'prompts' x n 2 " in refused(prompts=[[1, 2]] * (seqs // 2 + 1), n=2, max_tokens=1)
     assert "'prompts'" in refused(prompts=[[1, 2]] * 100_000, max_tokens=1)
     msgs = [{"role": "user", "content": "hi"}]
-    assert "257 'messages' x n 1 " in refused(messages=[msgs] * (seqs + 1), max_tokens=1)
+    assert f"{seqs + 1} 'messages' x n 1 " in refused(messages=[msgs] * (seqs + 1), max_tokens=1)
     assert "'max_tokens' 1000000000 " in refused(prompts=[[1, 2]], max_tokens=10**9)
     prompt = [(5 * i) % 300 + 3 for i in range(length - 4)]
     assert f"'max_tokens' 5 + the {length - 4} tokens of prompt 1 " in refused(prompts=[[1, 2], prompt], max_tokens=5)
@@ -478,23 +550,22 @@ def test_help_is_fast_and_non_loopback_warns(tiny_model):
         text=True,
         start_new_session=True,
     )
-    try:
-        assert "WARNING: binding 0.0.0.0 without --api-key" in proc.stderr.readline()
+    try:  # (after vLLM's parser read the flags, before the engine starts)
+        lines = iter(proc.stderr.readline, "")
+        assert any("WARNING: binding 0.0.0.0 without --api-key" in line for line in lines)
     finally:
         stop_server(proc)
 
 
 def test_a_busy_port_fails_before_anything_loads(tiny_model):
-    """The server takes its port before it imports torch or starts vLLM: on a port another process listens on it exits
-    at once with the socket's error, instead of after the model loaded (or losing the port to one of vLLM's own)."""
+    """The server takes its port (vLLM's setup_server) before it starts vLLM's engine: on a port another process listens
+    on it exits with the socket's error, instead of after the model loaded (or losing the port to one of vLLM's own)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         r = subprocess.run(
             [
                 PY,
-                "-X",
-                "importtime",
                 os.path.join(ROOT, SCRIPT),
                 "--model",
                 tiny_model,
@@ -506,8 +577,7 @@ def test_a_busy_port_fails_before_anything_loads(tiny_model):
             timeout=300,
         )
     assert r.returncode != 0 and "OSError: [Errno 98] Address already in use" in r.stderr, r.stderr[-2000:]
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
-    assert "torch" not in imported and "vllm" not in imported
+    assert "EngineCore" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]  # no engine process was started
 
 
 def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
@@ -558,7 +628,7 @@ def test_a_store_the_workers_cannot_reach_fails_in_time_and_names_it(server):
 
     if not DIRECT[server]:
         pytest.skip("the join does not depend on the load path: one server is enough")
-    info = requests.get(server + "/health", timeout=10).json()
+    info = requests.get(server + "/runtime_version", headers=AUTH, timeout=10).json()
     assert info["workers"] == 1 and info["device"] == "cpu"  # what a trainer sizes and checks its group with
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
@@ -638,7 +708,8 @@ def test_wait_or_abort_raises_on_late_work_and_aborts_the_group():
 
 
 def test_health_reports_a_dead_engine(server):
-    """vLLM's engine process killed: /health answers 503 "dead", never "ok" (the last test of each server)."""
+    """vLLM's engine process killed: /health (vLLM's) answers 503, never "ok", until vLLM's watchdog stops the server
+    (the last test of each server)."""
 
     def parent(pid: str) -> str:
         try:
@@ -652,9 +723,14 @@ def test_health_reports_a_dead_engine(server):
     for pid in children:  # vLLM's engine process (and its workers')
         os.kill(pid, 9)
     deadline = time.monotonic() + 60
-    while (r := requests.get(server + "/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert r.status_code == 503 and r.json()["status"] == "dead", r.text
+        try:
+            status = requests.get(server + "/health", timeout=10).status_code
+        except requests.ConnectionError:  # the server stopped: as good as an answer "dead"
+            status = None
+    assert status in (503, None), status
 
 
 # check_push, the metadata check of /update_param_batch: a pure function, tested without a server
