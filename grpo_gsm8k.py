@@ -929,7 +929,9 @@ if __name__ == "__main__":
     )
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
     if args.lora_rank:  # a frozen base in the dtype weights travel in (half of fp32's memory in bf16), fp32 adapters
-        wire_dtype = getattr(torch, requests.get(url + "/health", timeout=30, headers=auth_headers()).json()["dtype"])
+        wire_dtype = getattr(
+            torch, requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+        )
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=wire_dtype).to(device).train()
         lora = add_lora(model, args, saved=None if load_from == args.model else load_from)  # a checkpoint's adapter
     else:
