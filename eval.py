@@ -10,7 +10,10 @@ problems here, so this script's accuracy and grpo_gsm8k.py's reward mean the sam
   - `--n` samples per problem: accuracy of the first sample (the greedy one at temperature 0), and pass@k for
     k = 1, 2, 4, ... <= n with the unbiased estimator of Chen et al. 2021;
   - `--strict-format`: credit only for `<think>...</think>` followed by a boxed answer (the R1 format);
-  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py.
+  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py;
+  - `--base-url`: any OpenAI-compatible server (`vllm serve`, another engine) instead, through the official openai
+    client's chat completions: the same messages, hence the same prompt tokens where the server applies --model's
+    chat template, the same seeds, grading and output.
 
 What it leaves out, on purpose: few-shot prompts, answer-format hints beyond the system prompt, and majority voting.
 The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate, grade, summarise and write.
@@ -20,6 +23,9 @@ The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate
   # against a running server (it must serve --model), all of MATH-500, 8 samples per problem: pass@1..8
   python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct
   python eval.py --model Qwen/Qwen2.5-7B-Instruct --task math500 --limit 0 --n 8 --temperature 0.6 --max-tokens 2048
+  # any OpenAI-compatible server (the key, if it has one, in $VLLM_API_KEY)
+  vllm serve Qwen/Qwen2.5-0.5B-Instruct --port 8000
+  python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --base-url http://127.0.0.1:8000/v1
 """
 
 import atexit
@@ -86,6 +92,19 @@ class Args:
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
+    base_url: Optional[str] = None
+    """evaluate any OpenAI-compatible server instead (`vllm serve`, another engine) through its chat completions, with
+    the openai client: its base URL, /v1 included (e.g. http://127.0.0.1:8000/v1); the key is $VLLM_API_KEY"""
+    served_model_name: Optional[str] = None
+    """with --base-url: the model to ask for (None: the first id the server's /v1/models lists)"""
+    request_timeout_s: float = 600.0
+    """with --base-url: seconds the client waits for one completion"""
+    max_retries: int = 2
+    """with --base-url: retries of a request that could not connect or got 408/409/429/5xx (the client's backoff)"""
+    neutral_sampling: bool = True
+    """with --base-url: also send top_k -1 (off), min_p 0 and repetition_penalty 1 (vLLM's extensions of the API), so
+    the model's generation_config.json cannot change the sampling (--no-neutral-sampling: an engine that refuses
+    unknown fields)"""
 
     # Grading
     grade_timeout_s: float = 5.0
@@ -389,6 +408,80 @@ def generate(
         return list(pool.map(one, range(len(prompts))))
 
 
+def generate_openai(
+    client,
+    model: str,
+    chats: list[list[dict]],
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    seed: int,
+    neutral_sampling: bool,
+    on_done=None,
+):
+    """The same samples through any OpenAI-compatible server: one chat completion per sample, `concurrency` problems
+    in flight (the server batches them). Sample j of problem i asks for seed + i * n + j, as generate's do; an engine
+    that honours `seed` draws what vllm_sync_server.py draws. Returns results shaped like generate's, with the
+    server's count of completion tokens in place of the token ids."""
+    import openai
+
+    # the model's generation_config.json sets a server's defaults for every field a request leaves out: set them all
+    extensions = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0} if neutral_sampling else None
+
+    def one(i):
+        completions = []
+        for j in range(n):  # one request per sample: its own seed, and `usage` counts its tokens alone
+            try:
+                response = client.chat.completions.create(
+                    model=model,
+                    messages=chats[i],
+                    n=1,
+                    temperature=temperature,
+                    top_p=1.0,
+                    presence_penalty=0.0,
+                    frequency_penalty=0.0,
+                    max_completion_tokens=max_tokens,
+                    seed=seed + i * n + j,
+                    extra_body=extensions,
+                )
+            except openai.APIConnectionError as e:  # retried max_retries times already
+                raise RuntimeError(f"the server at {client.base_url} stopped answering: {e}") from e
+            choice = response.choices[0]
+            completions.append(
+                {
+                    "text": choice.message.content or "",
+                    "completion_tokens": response.usage.completion_tokens,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        if on_done is not None:
+            on_done()
+        return {"completions": completions}
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(chats))))
+
+
+def openai_model(client, name: Optional[str]) -> str:
+    """The model a --base-url server is asked for: `name`, or the first it lists. Listing is also the check that the
+    server answers and takes the key, before any work: a clear error naming the URL otherwise."""
+    import openai
+
+    url = client.base_url
+    try:
+        ids = [m.id for m in client.models.list(timeout=30)]
+    except openai.AuthenticationError as e:
+        raise SystemExit(f"the server at {url} refused the key ($VLLM_API_KEY, or EMPTY when unset): {e}") from e
+    except openai.NotFoundError as e:
+        raise SystemExit(f"the server at {url} has no /models route (does --base-url end in /v1?): {e}") from e
+    except openai.APIConnectionError as e:
+        raise SystemExit(f"no server answers at {url} (tried {client.max_retries + 1} times): {e}") from e
+    if not ids:
+        raise SystemExit(f"the server at {url} lists no model")
+    return name or ids[0]
+
+
 def physical_gpu(index: int) -> str:
     """The GPU that this process sees as cuda:`index`, named for a child process: CUDA_VISIBLE_DEVICES renumbers the
     GPUs it lists (`4,5`: cuda:0 is GPU 4), and the server must land inside the user's set, on the GPU meant."""
@@ -457,6 +550,8 @@ if __name__ == "__main__":
     args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
     if args.n > 1 and args.temperature == 0:
         raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
+    if args.base_url and args.start_server:
+        raise SystemExit("--base-url evaluates a server that is already running: leave out --start-server")
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -468,9 +563,17 @@ if __name__ == "__main__":
     console = Console()
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     out = args.out or f"{args.task}_eval.jsonl"
-    if args.start_server:
-        start_vllm_server(args, "vllm_server.log")
-    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
+    if args.base_url:  # any OpenAI-compatible server; the client needs a key string, and vLLM ignores it when unkeyed
+        import openai
+
+        url = args.base_url
+        key = os.environ.get("VLLM_API_KEY") or "EMPTY"
+        client = openai.OpenAI(base_url=url, api_key=key, timeout=args.request_timeout_s, max_retries=args.max_retries)
+        served = openai_model(client, args.served_model_name)
+    else:
+        if args.start_server:
+            start_vllm_server(args, "vllm_server.log")
+        served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
     if served != args.model:  # the tokenizer and template come from --model, the completions from the server
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]
@@ -479,11 +582,12 @@ if __name__ == "__main__":
         rows = rows[: args.limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
-    def render(question: str) -> str:
+    def chat(question: str) -> list[dict]:
         msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        return tokenizer.apply_chat_template(
-            msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+        return msgs + [{"role": "user", "content": question}]
+
+    def render(question: str) -> str:  # what a chat route renders from chat(question), with the same template
+        return tokenizer.apply_chat_template(chat(question), tokenize=False, add_generation_prompt=True)
 
     template = render("{question}")  # what every prompt looks like; goes into the summary
     # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
@@ -500,16 +604,30 @@ if __name__ == "__main__":
     columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True)) as progress:
         bar = progress.add_task("generate", total=len(rows))
-        results = generate(
-            url,
-            prompt_ids,
-            args.n,
-            args.temperature,
-            args.max_tokens,
-            args.concurrency,
-            args.seed,
-            on_done=lambda: progress.advance(bar),
-        )
+        if args.base_url:  # the server applies its chat template to the same messages: the same tokens (docs)
+            results = generate_openai(
+                client,
+                served,
+                chats=[chat(q) for q in questions],
+                n=args.n,
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                concurrency=args.concurrency,
+                seed=args.seed,
+                neutral_sampling=args.neutral_sampling,
+                on_done=lambda: progress.advance(bar),
+            )
+        else:
+            results = generate(
+                url,
+                prompt_ids,
+                args.n,
+                args.temperature,
+                args.max_tokens,
+                args.concurrency,
+                args.seed,
+                on_done=lambda: progress.advance(bar),
+            )
     samples = [res["completions"] for res in results]  # [problems][n]
     texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
 
@@ -528,7 +646,8 @@ if __name__ == "__main__":
 
     correct = per_problem([g.correct for g in grades])
     parse_error = per_problem([g.parse_error for g in grades])
-    tokens = [[len(c["token_ids"]) for c in cs] for cs in samples]
+    # /generate returns the token ids; a chat completion only their count
+    tokens = [[len(c["token_ids"]) if "token_ids" in c else c["completion_tokens"] for c in cs] for cs in samples]
 
     # 4) metrics: first-sample accuracy, rates over all samples, pass@k
     metrics = summarize(correct, parse_error, tokens)

