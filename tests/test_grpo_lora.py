@@ -31,6 +31,28 @@ LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 HOT = ("--train-temperature", "0.7")  # the trainer's logprobs must follow the sampling temperature to agree
 
 
+@pytest.fixture(scope="module")
+def toy_model(toy_model, tmp_path_factory) -> str:
+    """The toy model with its final norm's gain x4, for every test here (and the module's servers). LoRA leaves the
+    tied embedding and lm_head frozen, and the toy's random rows (std 0.02) cap every logit at about |e_v| sqrt(H) =
+    2.6: no token can get past a probability of about 0.1, and the toy task's reward stalls near 0.45. A trained
+    model's final norm and embedding are far larger; x4 lets a logit reach about 10, as full fine-tuning does by
+    growing the embedding."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("lora_toy") / "toy"
+    model = AutoModelForCausalLM.from_pretrained(toy_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4)
+    model.save_pretrained(path)
+    for name in os.listdir(toy_model):  # the tokenizer, the generation config, the boxed tokens' ids
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(toy_model, name), path)
+    return str(path)
+
+
 def lora_model(path: str, seed: int = 0):
     """The toy model with rank-8 adapters whose B is random (a fresh adapter has B = 0 and changes nothing): the
     policy differs from the base, so a server still running the base would fail the comparisons."""
@@ -146,7 +168,8 @@ def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_lora_learns_the_toy_task(toy, tmp_path, seed):
-    """GRPO with rank-8 adapters (lr 3e-2) pushes the toy task's mean reward up within 20 steps."""
+    """GRPO with rank-8 adapters (lr 3e-2, 10x full fine-tuning's) pushes the toy task's mean reward up within 20
+    steps (the module's toy model: see toy_model)."""
     extra = ("--train-steps", "20", "--save-every", "100", "--seed", str(seed), "--learning-rate", "3e-2", *LORA)
     _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
     rewards = [float(x["reward"]) for x in m]
@@ -171,6 +194,8 @@ def test_adapter_push_server_logprobs_equal_the_peft_models(toy, lora_server, tm
     """push_adapter writes the adapter and the server loads it in place: /generate with `lora` then samples with
     it (the trainer's logprobs of its tokens agree within 1e-4 in fp32) and reports its version; a second adapter,
     pushed as the next version, replaces the first on the very next request, and the first one's files go."""
+    import requests
+
     model, peft_model = lora_model(toy.model, seed=0)
     seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
 
@@ -191,6 +216,11 @@ def test_adapter_push_server_logprobs_equal_the_peft_models(toy, lora_server, tm
     assert {v for r in results for c in r["completions"] for v in c["versions"]} == {8}
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
     assert os.listdir(tmp_path) == ["v8"]
+    # vLLM's own /v1 routes know the adapter by its name too: greedy, they answer what /generate answers with it
+    greedy = G.generate(lora_server, GAP_PROMPTS[:1], 1, 0.0, 12, 1, [0], lora="policy")[0]["completions"][0]
+    body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": 12, "temperature": 0.0}
+    v1 = requests.post(lora_server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert v1["text"] == greedy["text"]
 
 
 def test_an_adapter_without_lora_on_is_refused(toy, tmp_path):
