@@ -129,6 +129,13 @@ class Args:
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
+    sync_transport: Literal["collective", "checkpoint"] = "collective"
+    """how the weights reach the server: `collective` broadcasts them over a group this trainer hosts (NCCL on GPU,
+    gloo on CPU); `checkpoint` saves them under --sync-dir and the server loads the file (no group: for a server that
+    cannot reach this trainer's ports but shares its file system)"""
+    sync_dir: str = "sync_checkpoints"
+    """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
+    --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
     lora_sync: Literal["merged", "adapter"] = "merged"
@@ -657,6 +664,35 @@ def push_weights(sync: dict, model, version: int) -> dict:
     return done
 
 
+def init_checkpoint_sync(url: str, sync_dir: str) -> dict:
+    """The checkpoint transport's end: no group, only the directory the server loads from and the dtype it computes
+    in. The path posted is absolute: the server resolves it, not relative to this process's directory."""
+    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    os.makedirs(sync_dir, exist_ok=True)
+    return {"url": url, "dir": os.path.abspath(sync_dir), "dtype": info["dtype"], "previous": None}
+
+
+def save_and_load_weights(sync: dict, model, version: int) -> dict:
+    """Save every parameter, cast to the server's dtype, under the names push_weights sends, as one safetensors file;
+    POST /load_checkpoint with its path; delete the previous file. The file is written under a temporary name and
+    renamed (atomic on one file system): the server never reads half a file. Returns the server's report, `seconds`
+    counting the save too."""
+    import torch
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    dtype = getattr(torch, sync["dtype"])
+    tensors = {n: p.to("cpu", dtype).contiguous() for n, p in base_named(model.named_parameters())}  # LoRA: merged
+    path = os.path.join(sync["dir"], f"weights_v{version}.safetensors")
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    done = post(sync["url"], "/load_checkpoint", {"path": path, "version": version}).json()
+    if sync["previous"] not in (None, path):  # the server holds the new weights: the old file is of no more use
+        os.remove(sync["previous"])
+    sync["previous"] = path
+    return {**done, "seconds": time.perf_counter() - t0}
+
+
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
     import torch
@@ -814,6 +850,9 @@ def start_vllm_server(args: Args, log_path: str):
         str(args.vllm_port),
         *shlex.split(args.server_args),
     ]
+    if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
+        os.makedirs(args.sync_dir, exist_ok=True)
+        cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -959,12 +998,17 @@ if __name__ == "__main__":
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
-    if adapter is None:
-        sync = init_weight_sync(url, device, args.sync_host)
-        with lora_merged(lora):
-            push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
-    else:  # the server runs the base it started with: only the adapter moves
+    if adapter is not None:  # the server runs the base it started with: only the adapter moves
         push_adapter(url, lora, version, args.lora_adapter_dir)
+    else:
+        if args.sync_transport == "checkpoint":
+            sync = init_checkpoint_sync(url, args.sync_dir)
+            push = save_and_load_weights
+        else:
+            sync = init_weight_sync(url, device, args.sync_host)
+            push = push_weights
+        with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
+            push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
         results = generate(
@@ -1122,7 +1166,7 @@ if __name__ == "__main__":
             version += 1
             if adapter is None:
                 with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
-                    sync_s = push_weights(sync, model, version)["seconds"]
+                    sync_s = push(sync, model, version)["seconds"]
                     if args.verify_sync:
                         verify_weights(sync, model)
             else:

@@ -26,8 +26,11 @@ The protocol, in the order a trainer calls it:
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
      /get_num_background_tasks, /reset_prefix_cache and /close_communicator.
-  5. LoRA instead (a server started with --enable-lora): POST /update_adapter {name, path, version?} loads an
-     adapter's files in place of its previous version; /generate with `lora: name` samples with it.
+  Without a group (a trainer and a server that cannot reach each other's ports but share a file system): POST
+  /load_checkpoint {path, version?}, a safetensors file (or a directory of them) under --checkpoint-root, checked and
+  loaded as a push of the same tensors.
+  LoRA (a server started with --enable-lora): POST /update_adapter {name, path, version?} loads an adapter's files in
+  place of its previous version; /generate with `lora: name` samples with it.
 """
 
 import asyncio
@@ -53,6 +56,8 @@ class Args:
     direct_load: bool = True
     """receive pushed tensors straight into the engine's weights when the model allows (TP=1, unquantized);
     off: vLLM's layerwise reload"""
+    checkpoint_root: Optional[str] = None
+    """directory whose safetensors files (symlinks and `..` resolved) POST /load_checkpoint may load; none without it"""
 
 
 VLLM_DEFAULTS = {
@@ -125,6 +130,56 @@ def spec_problem(p: dict, spec: Optional[dict], seen: set) -> Optional[str]:
     if p.get("dtype") != spec["dtype"]:
         return f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)"
     return None
+
+
+def checkpoint_files(path: str, root: Optional[str]) -> list[str]:
+    """The safetensors files of the checkpoint at `path` (a .safetensors file, or a directory of them), each with its
+    symlinks and `..` resolved, all inside `root` (the server's --checkpoint-root). Raises ValueError saying why not:
+    the route's 400, before anything is read. The workers open the resolved paths, never `path` itself."""
+    if root is None:
+        raise ValueError("this server loads no checkpoints: start it with --checkpoint-root DIR")
+    if not os.path.isabs(path):  # relative to what? the trainer's directory is not this server's
+        raise ValueError(f"{path!r} is not an absolute path")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)  # every symlink and `..` resolved: where the bytes really are
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ValueError(f"{path!r} resolves to {real!r}, outside this server's --checkpoint-root {real_root!r}")
+    if os.path.isdir(real):
+        names = sorted(n for n in os.listdir(real) if n.endswith(".safetensors"))
+        files = [os.path.realpath(os.path.join(real, n)) for n in names]  # (a symlink inside may point elsewhere)
+        if not files:
+            raise ValueError(f"{path!r} holds no *.safetensors file")
+    elif os.path.isfile(real) and real.endswith(".safetensors"):
+        files = [real]
+    else:
+        raise ValueError(f"{path!r}: no such .safetensors file or directory")
+    for f in files:
+        if os.path.commonpath([f, real_root]) != real_root or not os.path.isfile(f):
+            raise ValueError(f"{f!r} (in {path!r}) is not a file inside this server's --checkpoint-root {real_root!r}")
+    return files
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # the header's names
+
+
+def checkpoint_params(files: list[str]) -> list[dict]:
+    """[{name, dtype, shape}] of every tensor in the safetensors `files`, read from their headers alone, in check_push's
+    form: a checkpoint is checked as a push of the same tensors would be. Raises ValueError for a file safetensors
+    refuses to open: not safetensors, or truncated (its header promises bytes the file lacks), which would otherwise
+    fail in the workers, after other files loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    params = []
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as sf:  # reads and validates the header; no tensor is read
+                for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                    tensor = sf.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
+                    params.append({"name": name, "dtype": dtype, "shape": tensor.get_shape()})
+        except SafetensorError as e:
+            raise ValueError(f"{f!r} is not a whole safetensors file: {e}") from e
+    return params
 
 
 def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
@@ -236,29 +291,56 @@ class WeightSyncWorker:
     def sync_update(self, params: list[dict], direct: bool) -> tuple[int, bool]:
         """Receive `params` from rank 0, one broadcast each, into the model. No engine step runs meanwhile: the whole
         update is this one RPC."""
-        import torch
-
         if self._sync_pg is None:
             raise RuntimeError("no communicator")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # an earlier step's kernels may still read the weights
         direct = direct and self._sync_exact
         arriving = self.sync_receive(params, direct, deadline=time.monotonic() + self._sync_timeout_s)
         try:
-            if direct:
-                for _ in arriving:  # every tensor lands in place: only wait for each
-                    pass
-            else:
-                self.sync_reload(arriving)
+            self.sync_load(arriving, direct)
         except BaseException:
             # The trainer died or stalled mid-push: drop the group (the server then accepts a new one). Direct, the
             # weights stay partly new until the next push; the reload keeps a layer's old weights unless all its
             # new ones came.
             self.sync_close_communicator()
             raise
+        return len(params), direct
+
+    def sync_load_checkpoint(self, files: list[str], direct: bool) -> tuple[int, bool]:
+        """Read the safetensors `files` into the model, as a push of the same tensors: the same two load paths, only
+        the source of (name, tensor) differs. The server checked their names, shapes and dtypes first (check_push on
+        the headers); no collective group is needed."""
+        direct = direct and self._sync_exact
+        names = []
+
+        def read():  # (name, tensor) in the files' order; direct: already copied into the engine's tensor
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(f, framework="pt", device=str(self.device)) as sf:
+                    for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                        t = sf.get_tensor(name)  # a tensor of its own: the reload may keep it until its layer is done
+                        if direct:
+                            t = self._sync_targets[name].copy_(t)
+                        names.append(name)
+                        yield name, t
+
+        self.sync_load(read(), direct)
+        return len(names), direct
+
+    def sync_load(self, arriving, direct: bool) -> None:
+        """Load the (name, tensor) pairs of `arriving` (a push's receive, or a checkpoint's read) into the model:
+        direct, each is already in the engine's tensor and is only waited for; else vLLM's layerwise reload."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # an earlier step's kernels may still read the weights
+        if direct:
+            for _ in arriving:  # every tensor lands in place: only wait for each
+                pass
+        else:
+            self.sync_reload(arriving)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # report "done" only when it is
-        return len(params), direct
 
     def sync_receive(self, params: list[dict], direct: bool, deadline: float):
         """Yield (name, tensor) in order, each once its broadcast is done, while later ones travel. Direct: all are
@@ -463,6 +545,41 @@ async def receive_push(args: Args, state: ServerState, params: list[dict], versi
         state.tasks -= 1
 
 
+async def load_checkpoint(args: Args, state: ServerState, path: str, version: Optional[int]) -> dict:
+    """POST /load_checkpoint: load the safetensors checkpoint at `path` as a push of the same tensors would be loaded,
+    with no collective group. Raises ValueError (the route's 400) before anything is read into the engine: a path
+    outside --checkpoint-root, no such file, a tensor whose name, shape or dtype the engine does not take. Then returns
+    the report; a failure while loading is reported, not raised."""
+    files = checkpoint_files(path, args.checkpoint_root)
+    problem = check_push(checkpoint_params(files), state.specs, state.packed)  # a push's own check, on the headers
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
+    state.updating = True  # (no await since the route saw it false: no other update can start in between)
+    state.tasks += 1
+    t0 = time.perf_counter()
+    try:
+        async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
+            # every worker reads the files into its model, on the load path a push would take
+            num_params, direct = await collective(
+                args, state, "sync_load_checkpoint", files=files, direct=args.direct_load
+            )
+            await advance_version(state, version)
+        return {
+            "status": "ok",
+            "version": state.version,
+            "num_params": num_params,
+            "direct": direct,
+            "paused": paused,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
+    except Exception as e:
+        state.last_error = f"load_checkpoint: {e}"
+        return {"status": "error", "error": state.last_error}
+    finally:
+        state.updating = False
+        state.tasks -= 1
+
+
 async def load_adapter(state: ServerState, models, name: str, path: str, version: Optional[int]) -> dict:
     """/update_adapter: load the LoRA adapter saved in `path` (peft's format) under `name`, replacing the one loaded
     under that name before, and label it `version` (default: its previous version + 1). vLLM's own loader does it
@@ -506,7 +623,7 @@ def completion_json(c) -> dict:
 def add_routes(app, args: Args, state: ServerState) -> None:
     """Our routes, on vLLM's app: /generate, the weight sync, and what a trainer reads about them."""
     from fastapi import HTTPException
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, Field
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -661,6 +778,20 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         task = asyncio.create_task(receive_push(args, state, params, req.version))
         return two_lines({"status": "receiving", "num_params": len(params)}, task)
 
+    class CheckpointRequest(BaseModel):
+        path: str  # a safetensors file or a directory of them, under --checkpoint-root
+        version: Optional[int] = None  # default: the current version + 1
+
+    @app.post("/load_checkpoint")
+    async def load_checkpoint_route(req: CheckpointRequest):
+        if state.updating:
+            raise HTTPException(409, "another weight update is running")
+        try:
+            done = await load_checkpoint(args, state, req.path, req.version)
+        except ValueError as e:  # refused before anything was read into the engine
+            raise HTTPException(400, str(e)) from e
+        return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
+
     class AdapterRequest(BaseModel):
         name: str  # what /generate's `lora` (and vLLM's /v1 routes' `model`) call it
         path: str  # a directory with adapter_config.json and adapter_model.safetensors, readable by this server
@@ -715,6 +846,7 @@ def key_required(app, keys: list[str]):
 
 async def serve(args: Args, vllm_args) -> None:
     """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
+    from uvicorn.config import LOGGING_CONFIG
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -743,7 +875,7 @@ async def serve(args: Args, vllm_args) -> None:
             host=vllm_args.host,
             port=vllm_args.port,
             log_level=vllm_args.uvicorn_log_level,
-            log_config=get_uvicorn_log_config(vllm_args),
+            log_config=get_uvicorn_log_config(vllm_args) or LOGGING_CONFIG,  # (None would silence uvicorn's logs)
             access_log=not vllm_args.disable_uvicorn_access_log,
             ssl_keyfile=vllm_args.ssl_keyfile,
             ssl_certfile=vllm_args.ssl_certfile,

@@ -14,16 +14,24 @@ run.
      request's completion) per tensor. vLLM fuses q/k/v and gate/up, which must travel together (see the server),
      so those go as one request of 3 or 2 broadcasts: slightly kinder to this baseline than one per tensor.
 
+With --transports, instead: how long new weights take from the trainer's memory to the first token sampled with them,
+on each way a trainer can hand them over, side by side in one run on the same model, round after round:
+  - restart: save a Hugging Face checkpoint, stop the server, start it on the checkpoint, generate one token;
+  - checkpoint: save one safetensors file under the server's --checkpoint-root, POST /load_checkpoint, one token;
+  - broadcast: the push of 1. (a group joined beforehand, as a trainer does once), one token.
+
 Model: a random Qwen2 built locally (no hub): by default 304 MB in 291 fp32 tensors (the issue's "at least 200 MB and
 about 300 tensors"); with --shape qwen2.5-0.5b, the shapes of Qwen2.5-0.5B-Instruct, the scripts' default model, in 290
 tensors: with --dtype bfloat16 (the engine's and the push's dtype) exactly the bytes of its push on GPU, 988 MB.
 Run: .venv/bin/python bench/weight_sync.py [--shape qwen2.5-0.5b --dtype bfloat16]   (CPU, about 5 / 10 minutes)
+     .venv/bin/python bench/weight_sync.py --transports [--shape ... --dtype ...]      (CPU, about 3 / 6 minutes)
 """
 
 import argparse
 import contextlib
 import datetime
 import functools
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -39,6 +47,7 @@ import time
 import requests
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -248,8 +257,6 @@ def raw_receiver(port, sizes, rounds):
 
 def main(shape: str, dtype: str, tmp: str) -> None:
     model_dir = build_tiny_model(os.path.join(tmp, "bench-qwen2"), **SHAPES[shape])
-    from safetensors.torch import load_file
-
     named = {
         k: (torch.randn_like(v) * 0.02).to(getattr(torch, dtype))
         for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
@@ -342,14 +349,104 @@ def main(shape: str, dtype: str, tmp: str) -> None:
     print(f"per-parameter / this protocol                          = {r['per-parameter']:.1f}x (target >= 3x)")
 
 
+TRANSPORT_ROUNDS = 3  # each restart starts an engine: tens of seconds
+
+
+def first_token(url) -> None:
+    """One token sampled by the server: it is up, and computes with the weights it holds."""
+    body = {"prompts": [[1, 2, 3]], "max_tokens": 1, "temperature": 0.0}
+    requests.post(url + "/generate", json=body, timeout=300).raise_for_status()
+
+
+def checksums_match(url, named) -> bool:
+    """The server computes with exactly `named` (a tied lm_head is reported as the embedding)."""
+    got = requests.get(url + "/weights_checksum", timeout=600).json()["checksums"]
+    return all(got[k] == hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() for k, t in named.items())
+
+
+def transports(shape: str, dtype: str, tmp: str) -> None:
+    """Restart, checkpoint reload and broadcast, round after round on the same machine, each from new weights in the
+    trainer's memory to the first token sampled with them."""
+    from safetensors.torch import save_file
+
+    model_dir = build_tiny_model(os.path.join(tmp, "bench-qwen2"), **SHAPES[shape])
+    root = os.path.join(tmp, "checkpoint-root")  # the server's --checkpoint-root
+    restart_dir = os.path.join(root, "restart")  # a Hugging Face checkpoint: the model's files, new weights
+    shutil.copytree(model_dir, restart_dir)
+    base = load_file(os.path.join(model_dir, "model.safetensors"))  # (fp32: the shapes, the new weights' base)
+    nbytes = sum(v.numel() for v in base.values()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    flags = ["--max-num-seqs", "8", "--dtype", dtype, "--checkpoint-root", root]
+    print(f"model: {shape}, {len(base)} tensors, {nbytes / 1e6:.1f} MB in {dtype}; {TRANSPORT_ROUNDS} rounds")
+    proc, url = start_server(model_dir, os.path.join(tmp, "server-0.log"), *flags)
+    times = {}  # way -> [seconds]
+    parts = {}  # way, part -> [seconds]
+    try:
+        for r in range(TRANSPORT_ROUNDS):
+            pg, store = make_group(url)  # joined once per server, as a trainer does: not timed
+            for way in ("broadcast", "checkpoint", "restart"):
+                torch.manual_seed(r)
+                named = {k: (torch.randn_like(v) * 0.02).to(getattr(torch, dtype)) for k, v in base.items()}
+                time.sleep(1.2)  # vLLM's processes idle again (see clock in main)
+                t0 = time.perf_counter()
+                if way == "broadcast":
+                    push(url, pg, named)
+                elif way == "checkpoint":
+                    path = os.path.join(root, f"weights_r{r}.safetensors")
+                    save_file(named, path + ".tmp")  # as grpo_gsm8k.py saves: a temporary name, then renamed
+                    os.replace(path + ".tmp", path)
+                    parts.setdefault((way, "save"), []).append(time.perf_counter() - t0)
+                    r_load = requests.post(url + "/load_checkpoint", json={"path": path}, timeout=600)
+                    assert r_load.ok and r_load.json()["status"] == "ok", r_load.text
+                    parts.setdefault((way, "load (server)"), []).append(r_load.json()["seconds"])
+                else:
+                    save_file(named, os.path.join(restart_dir, "model.safetensors"), metadata={"format": "pt"})
+                    t_saved = time.perf_counter()
+                    stop_server(proc)
+                    t_stopped = time.perf_counter()
+                    proc, url = start_server(restart_dir, os.path.join(tmp, f"server-{r + 1}.log"), *flags)
+                    t_started = time.perf_counter()
+                    for part, seconds in (
+                        ("save", t_saved - t0),
+                        ("stop", t_stopped - t_saved),
+                        ("start, until /health answers", t_started - t_stopped),
+                    ):
+                        parts.setdefault((way, part), []).append(seconds)
+                t_updated = time.perf_counter()
+                first_token(url)
+                parts.setdefault((way, "first token"), []).append(time.perf_counter() - t_updated)
+                times.setdefault(way, []).append(time.perf_counter() - t0)
+                assert checksums_match(url, named), f"{way}: the server does not compute with the new weights"
+                if way == "checkpoint":
+                    os.remove(path)
+    finally:
+        stop_server(proc)
+    print(
+        f"\nnew weights in the trainer's memory -> first token sampled with them; median of {TRANSPORT_ROUNDS} rounds"
+    )
+    print(f"{'way':<44} {'seconds':>8} {'x broadcast':>12}")
+    base = statistics.median(times["broadcast"])
+    for way in ("restart", "checkpoint", "broadcast"):
+        v = statistics.median(times[way])
+        print(f"{way:<44} {v:8.3f} {v / base:12.1f}")
+        for (w, part), xs in parts.items():
+            if w == way:
+                print(f"  {part:<42} {statistics.median(xs):8.3f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="small", help="the random model's shapes")
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and the push's"
     )
+    parser.add_argument(
+        "--transports", action="store_true", help="restart, checkpoint reload and broadcast, side by side, instead"
+    )
     args, tmp = parser.parse_args(), tempfile.mkdtemp()
     try:
-        main(args.shape, args.dtype, tmp)
+        if args.transports:
+            transports(args.shape, args.dtype, tmp)
+        else:
+            main(args.shape, args.dtype, tmp)
     finally:
         shutil.rmtree(tmp)  # the model (2 GB for qwen2.5-0.5b)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import requests
 import torch
 
 from conftest import (
@@ -25,6 +26,8 @@ from conftest import (
     read_jsonl,
     run_ok,
     server_matches,
+    start_server,
+    stop_server,
     worst_logprob_gap,
 )
 
@@ -421,6 +424,69 @@ def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
     _, m = run_script(tp2_server, tmp_path, "--train-steps", "2", "--verify-sync", model=toy_model)
     assert [int(x["version"]) for x in m] == [1, 2]
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
+
+
+def test_checkpoint_transport(toy_model, tmp_path):
+    """--sync-transport checkpoint: no collective group at all; after every step the weights are saved in the server's
+    dtype under --sync-dir and loaded by the server (--verify-sync: its checksums equal the trainer's), the sampler
+    then agrees with the trainer, and only the last file is left."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "root"  # the server's --checkpoint-root
+    proc, url = start_server(toy_model, str(tmp_path / "server.log"), "--checkpoint-root", str(root))
+    try:
+        _, m = run_script(
+            url,
+            tmp_path,
+            "--train-steps",
+            "2",
+            "--save-every",
+            "1",
+            "--verify-sync",
+            "--sync-transport",
+            "checkpoint",
+            "--sync-dir",
+            str(root / "sync"),
+            *HOT,
+            model=toy_model,
+        )
+        state = requests.get(url + "/runtime_version", timeout=10).json()
+        assert state["communicator"] is None and state["version"] == 2, state  # no group was ever joined
+        assert server_matches(url, tmp_path / "ckpt" / "step_2")
+    finally:
+        stop_server(proc)
+    assert [int(x["version"]) for x in m] == [1, 2], m
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # step 2 sampled with step 1's loaded weights
+    assert os.listdir(root / "sync") == ["weights_v2.safetensors"]
+    saved = load_file(root / "sync" / "weights_v2.safetensors")
+    step_2 = load_weights(tmp_path / "ckpt" / "step_2")
+    assert saved.keys() == step_2.keys() and max_abs_diff(saved, step_2) == 0
+
+
+def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch, tmp_path):
+    """With --sync-transport checkpoint, --start-server gives the server --checkpoint-root = --sync-dir, absolute."""
+    import tyro
+
+    launched = []
+
+    class Exited:  # the launch is recorded, then the "server" exits at once
+        pid = 0
+        returncode = 1
+
+        def __init__(self, cmd, env, **kw):
+            launched.append(cmd)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    monkeypatch.chdir(tmp_path)
+    for transport in ("checkpoint", "collective"):
+        args = tyro.cli(G.Args, args=["--start-server", "--sync-transport", transport, "--sync-dir", "s"])
+        with pytest.raises(RuntimeError, match="exited"):
+            G.start_vllm_server(args, str(tmp_path / "server.log"))
+    assert launched[0][-2:] == ["--checkpoint-root", str(tmp_path / "s")] and (tmp_path / "s").is_dir()
+    assert "--checkpoint-root" not in launched[1]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -4,6 +4,7 @@ One server (started with --api-key, so every call below but /health carries the 
 this module, in order; each test leaves it healthy for the next."""
 
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -26,6 +27,7 @@ MAX_NUM_SEQS = 64  # vLLM's --max-num-seqs, which bounds /generate
 
 DIRECT = {}  # url -> whether the server receives pushes straight into the engine's tensors
 PID = {}  # url -> the server's process id
+CKPT_ROOT = {}  # url -> the server's --checkpoint-root
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,9 @@ def server(tiny_model, tmp_path_factory, request):
     the checkpoint unchanged) and vLLM's layerwise reload (any model; --no-direct-load forces it here). The first
     server gets its key from --api-key, the second from $VLLM_API_KEY (as `vllm serve` does)."""
     log = str(tmp_path_factory.mktemp("server") / "server.log")
+    root = tmp_path_factory.mktemp("checkpoint_root")
     flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
+    flags += ["--checkpoint-root", str(root)]
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
         proc, url = start_server(
             tiny_model,
@@ -55,7 +59,7 @@ def server(tiny_model, tmp_path_factory, request):
             "--served-model-name",
             SERVED,
         )
-    DIRECT[url], PID[url] = request.param == "direct", proc.pid
+    DIRECT[url], PID[url], CKPT_ROOT[url] = request.param == "direct", proc.pid, root
     yield url
     stop_server(proc)
 
@@ -707,6 +711,92 @@ def test_wait_or_abort_raises_on_late_work_and_aborts_the_group():
         assert pg.aborted == 1, module
 
 
+def load_checkpoint(url, path, version=None):
+    return requests.post(url + "/load_checkpoint", json={"path": str(path), "version": version}, headers=AUTH)
+
+
+def test_load_checkpoint(server, hf_model, tmp_path):
+    """POST /load_checkpoint loads a safetensors file (or a directory of them) from under --checkpoint-root on the
+    same load path as a push: the engine then computes with exactly the file's weights (checksums, and logprobs
+    equal to an HF model holding them), under the version sent. Without any communicator."""
+    from safetensors.torch import save_file
+
+    requests.post(server + "/close_communicator", headers=AUTH).raise_for_status()
+    root = CKPT_ROOT[server]
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for _name, v in hf_model.named_parameters():
+            v.add_(torch.randn_like(v) * 0.02)
+    save_file({k: v.detach().contiguous() for k, v in hf_model.named_parameters()}, root / "all.safetensors")
+    r = load_checkpoint(server, root / "all.safetensors", version=77)
+    done = r.json()
+    assert r.status_code == 200 and done["status"] == "ok", r.text
+    assert done["version"] == 77 and done["direct"] == DIRECT[server] and not done["paused"], done
+    assert done["num_params"] == len(list(hf_model.named_parameters())), done
+    assert_checksums(server, state_dict_with_tied(hf_model))
+    assert_logprobs_match(server, hf_model)
+    assert generate(server, prompts=[[1, 2]], max_tokens=2)["results"][0]["completions"][0]["versions"] == [77]
+    # a directory of two files, one of them a whole layer's MLP only (a partial load), no version: +1
+    (root / "two").mkdir()
+    layer = "model.layers.0.mlp."
+    with torch.no_grad():
+        for name in ("gate_proj.weight", "up_proj.weight"):
+            hf_model.get_parameter(layer + name).mul_(-2.0)
+    save_file(
+        {layer + n: hf_model.get_parameter(layer + n).detach() for n in ("gate_proj.weight",)},
+        root / "two" / "a.safetensors",
+    )
+    save_file(
+        {layer + n: hf_model.get_parameter(layer + n).detach() for n in ("up_proj.weight",)},
+        root / "two" / "b.safetensors",
+    )
+    r = load_checkpoint(server, root / "two")
+    assert r.status_code == 200 and r.json()["version"] == 78 and r.json()["num_params"] == 2, r.text
+    assert_checksums(server, state_dict_with_tied(hf_model))
+    assert_logprobs_match(server, hf_model)
+
+
+def test_a_bad_checkpoint_is_refused_before_anything_loads(server, hf_model, tmp_path):
+    """A path outside --checkpoint-root (directly, by `..`, by a symlink), a missing file, a tensor of the wrong shape
+    or dtype, a fused part alone: each a 400 naming the problem, at once; the engine's weights, version and service
+    are unchanged."""
+    from safetensors.torch import save_file
+
+    root = CKPT_ROOT[server]
+    good = {k: v.detach().contiguous() for k, v in hf_model.named_parameters()}
+    outside = tmp_path / "outside.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in good.items()}, outside)  # zeros: a load would show
+    (root / "link.safetensors").symlink_to(outside)
+    save_file({**good, "model.norm.weight": torch.zeros(7)}, root / "shape.safetensors")
+    save_file({**good, "model.norm.weight": good["model.norm.weight"].to(torch.bfloat16)}, root / "dtype.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file({q: torch.zeros_like(good[q])}, root / "q.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in good.items()}, root / "cut.safetensors")
+    with open(root / "cut.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(root / "cut.safetensors") - 4)  # the last tensor's bytes cut short
+    cases = {
+        outside: "outside this server's --checkpoint-root",
+        root / ".." / outside.parent.name / outside.name: "outside this server's --checkpoint-root",
+        root / "link.safetensors": "outside this server's --checkpoint-root",
+        root / "missing.safetensors": "no such .safetensors file",
+        "relative.safetensors": "not an absolute path",
+        root / "shape.safetensors": "parameter 'model.norm.weight': shape [7] != the model's [128]",
+        root / "dtype.safetensors": "parameter 'model.norm.weight': dtype bfloat16 != the engine's float32",
+        root / "q.safetensors": f"parameter '{q}' is fused with",
+        root / "cut.safetensors": "is not a whole safetensors file",
+    }
+    before = requests.get(server + "/weights_checksum", headers=AUTH).json()
+    for path, message in cases.items():
+        t0 = time.time()
+        r = load_checkpoint(server, path, version=999)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)
+        assert time.time() - t0 < 5  # refused at once
+    assert requests.get(server + "/weights_checksum", headers=AUTH).json() == before  # same weights, same version
+    state = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert state["version"] == before["version"] and state["updating"] is False, state
+    assert_logprobs_match(server, hf_model)  # and it still serves
+
+
 def test_health_reports_a_dead_engine(server):
     """vLLM's engine process killed: /health (vLLM's) answers 503, never "ok", until vLLM's watchdog stops the server
     (the last test of each server)."""
@@ -834,3 +924,117 @@ def test_check_push_asks_only_for_siblings_the_model_has(check_push):
     assert check_push([meta(Q), meta(K)], specs, PACKED) is None
     assert check_push([meta(Q)], specs, PACKED) == f"parameter '{Q}' is fused with ['{K}'] in vLLM: send them together"
     assert check_push([meta(Q)], SPECS, {}) is None  # a model vLLM fuses nothing in
+
+
+# checkpoint_files and checkpoint_params, the checks of /load_checkpoint before anything loads: pure, without a server
+
+
+@pytest.fixture(scope="module")
+def ckpt_checks():
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from vllm_sync_server import checkpoint_files, checkpoint_params
+
+    return checkpoint_files, checkpoint_params
+
+
+@pytest.fixture
+def ckpt_tree(tmp_path):
+    """root/ holding a checkpoint file, a checkpoint directory and symlinks; outside/ a checkpoint beside it."""
+    from safetensors.torch import save_file
+
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    (root / "dir").mkdir(parents=True)
+    outside.mkdir()
+    tensors = {"model.norm.weight": torch.ones(128)}
+    for f in (root / "w.safetensors", root / "dir" / "b.safetensors", root / "dir" / "a.safetensors"):
+        save_file(tensors, f)
+    save_file(tensors, outside / "w.safetensors")
+    (root / "dir" / "notes.txt").write_text("not a checkpoint")
+    (root / "link_out.safetensors").symlink_to(outside / "w.safetensors")
+    (root / "link_in.safetensors").symlink_to(root / "w.safetensors")
+    (root / "link_dir_out").symlink_to(outside)
+    (root / "mixed").mkdir()
+    save_file(tensors, root / "mixed" / "a.safetensors")
+    (root / "mixed" / "b.safetensors").symlink_to(outside / "w.safetensors")
+    (root / "empty").mkdir()
+    return root, outside
+
+
+def test_checkpoint_files_inside_the_root(ckpt_checks, ckpt_tree):
+    checkpoint_files, _ = ckpt_checks
+    root, _ = ckpt_tree
+    real = os.path.realpath(root)
+    assert checkpoint_files(str(root / "w.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    # a directory: its *.safetensors files in name order, nothing else
+    assert checkpoint_files(str(root / "dir"), str(root)) == [f"{real}/dir/a.safetensors", f"{real}/dir/b.safetensors"]
+    # a symlink that stays inside, and a `..` that comes back inside: the resolved file
+    assert checkpoint_files(str(root / "link_in.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    assert checkpoint_files(str(root / "dir" / ".." / "w.safetensors"), str(root)) == [f"{real}/w.safetensors"]
+    assert checkpoint_files(str(root / "w.safetensors"), str(root) + "/") == [f"{real}/w.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no root", "relative", "outside", "dot-dot", "symlink out", "directory symlink out", "symlink in a directory",
+     "prefix sibling", "missing", "not safetensors", "empty directory"],
+)  # fmt: skip
+def test_checkpoint_files_refuses(ckpt_checks, ckpt_tree, case):
+    checkpoint_files, _ = ckpt_checks
+    root, outside = ckpt_tree
+    sibling = root.parent / "root2"  # shares the root's name as a prefix: still outside
+    sibling.mkdir()
+    (sibling / "w.safetensors").write_bytes((root / "w.safetensors").read_bytes())
+    path, given_root, message = {
+        "no root": (root / "w.safetensors", None, "start it with --checkpoint-root"),
+        "relative": ("root/w.safetensors", root, "not an absolute path"),
+        "outside": (outside / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "dot-dot": (root / ".." / "outside" / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "symlink out": (root / "link_out.safetensors", root, "outside this server's --checkpoint-root"),
+        "directory symlink out": (root / "link_dir_out" / "w.safetensors", root, "outside"),
+        "symlink in a directory": (root / "mixed", root, "is not a file inside this server's --checkpoint-root"),
+        "prefix sibling": (sibling / "w.safetensors", root, "outside this server's --checkpoint-root"),
+        "missing": (root / "nope.safetensors", root, "no such .safetensors file or directory"),
+        "not safetensors": (root / "dir" / "notes.txt", root, "no such .safetensors file or directory"),
+        "empty directory": (root / "empty", root, "holds no *.safetensors file"),
+    }[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checkpoint_files(str(path), given_root and str(given_root))
+
+
+def test_checkpoint_params_reads_the_headers_as_a_push_lists_them(ckpt_checks, tmp_path, check_push):
+    from safetensors.torch import save_file
+
+    _, checkpoint_params = ckpt_checks
+    f = tmp_path / "w.safetensors"
+    save_file({"b": torch.zeros(3, 4, dtype=torch.bfloat16), "a": torch.zeros(2)}, f, metadata={"format": "pt"})
+    params = checkpoint_params([str(f)])
+    assert sorted(params, key=lambda p: p["name"]) == [
+        {"name": "a", "dtype": "float32", "shape": [2]},
+        {"name": "b", "dtype": "bfloat16", "shape": [3, 4]},
+    ]
+    # the same tensor in two files is listed twice, and check_push says so
+    assert check_push(checkpoint_params([str(f), str(f)]), {"a": {"dtype": F32, "shape": [2]}}, {}) is not None
+    # a wrong shape, dtype or a fused part alone in a checkpoint get a push's messages
+    save_file({NORM: torch.zeros(7)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["shape"][1]
+    save_file({EMBED: torch.zeros(384, 128, dtype=torch.bfloat16)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["dtype"][1]
+    save_file({Q: torch.zeros(128, 128)}, f)
+    assert check_push(checkpoint_params([str(f)]), SPECS, PACKED) == REFUSED["q without k and v"][1]
+    # what safetensors refuses to open is refused: junk, a malformed header, data shorter or longer than it says
+    bad_dtype = b'{"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}'
+    no_offsets = b'{"t": {"dtype": "F32", "shape": [1]}}'
+    junks = [b"", b"\x05\x00\x00\x00\x00\x00\x00\x00{oops", b"\xff" * 8, b"\x02\x00\x00\x00\x00\x00\x00\x00[]"]
+    junks += [
+        len(bad_dtype).to_bytes(8, "little") + bad_dtype + b"\0" * 4,
+        len(no_offsets).to_bytes(8, "little") + no_offsets,
+    ]
+    save_file({NORM: torch.zeros(128)}, f)
+    whole = f.read_bytes()
+    for wrong in [*junks, whole[:-1], whole + b"\0"]:
+        f.write_bytes(wrong)
+        with pytest.raises(ValueError, match="is not a whole safetensors file"):
+            checkpoint_params([str(f)])
