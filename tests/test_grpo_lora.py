@@ -248,3 +248,20 @@ def test_adapter_run_samples_with_each_version(lora_server, toy_model, tmp_path)
     assert os.listdir(tmp_path / "lora_adapters") == ["v2"]
     merged = load_weights(tmp_path / "ckpt" / "step_2" / "merged")
     assert max_abs_diff(merged, merged_reference(toy_model, tmp_path / "ckpt" / "step_2")) < 1e-5
+
+
+def test_merged_over_the_checkpoint_transport(toy_model, tmp_path):
+    """--lora-sync merged with --sync-transport checkpoint: the merged base, saved under its own names, is what the
+    server loads (--verify-sync at every push; at the end the server holds the merged model of the last checkpoint),
+    and the sampler agrees with the trainer."""
+    root = tmp_path / "root"  # the server's --checkpoint-root
+    proc, url = start_server(toy_model, str(tmp_path / "server.log"), "--checkpoint-root", str(root))
+    try:
+        extra = ("--train-steps", "2", "--save-every", "2", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
+        transport = ("--sync-transport", "checkpoint", "--sync-dir", str(root / "sync"))
+        _, m = run_script(url, tmp_path, *extra, *transport, model=toy_model)
+        assert server_matches(url, tmp_path / "ckpt" / "step_2" / "merged")
+    finally:
+        stop_server(proc)
+    assert [int(x["version"]) for x in m] == [1, 2], m
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
