@@ -11,13 +11,15 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
-    (`--tis-cap`), and is always logged (`logprob_mismatch`).
+    (`--tis-cap`), and is always logged (`logprob_mismatch`);
+  - `--lora-rank R` trains LoRA adapters on a frozen base instead of every weight; the server gets the base with the
+    adapters merged in, or the adapter alone (`--lora-sync`).
 
 What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
-(reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), LoRA and a
-packed-sequence attention kernel. The shared transport and vLLM's sleep mode (one GPU for both) are this script's
-alone: reinforce_math_fsdp2.py and the pipeline push over the collective group. The whole algorithm is the ALGO LOGIC
-section and the loop at the bottom.
+(reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py) and a
+packed-sequence attention kernel. LoRA, the shared transport and vLLM's sleep mode (one GPU for both) and the checkpoint
+transport are this script's alone: reinforce_math_fsdp2.py and the pipeline train every weight and push over the
+collective group. The whole algorithm is the ALGO LOGIC section and the loop at the bottom.
 
   # one GPU: vLLM beside the trainer (30% of the GPU, asleep while the trainer updates), weights through its memory
   python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
@@ -28,6 +30,7 @@ section and the loop at the bottom.
 """
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import json
@@ -99,6 +102,12 @@ class Args:
     skip_zero_std_groups: bool = False
     """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
     normalised over the groups fed"""
+    lora_rank: int = 0
+    """rank of LoRA adapters trained on a frozen base (peft); 0: every weight trains"""
+    lora_alpha: float = 16.0
+    """LoRA's alpha: the adapters' update B A is scaled by alpha / rank"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the linear layers that get adapters (the attention and MLP projections)"""
 
     # Generation
     train_temperature: float = 1.0
@@ -142,6 +151,11 @@ class Args:
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """with --lora-rank: push the base with the adapters merged in (any server), or only the adapter, which the server
+    (started with --enable-lora --max-lora-rank R) loads from --lora-adapter-dir"""
+    lora_adapter_dir: str = "lora_adapters"
+    """where --lora-sync adapter writes each version's adapter: a directory the server can read"""
 
     # Grading
     grade_timeout_s: float = 5.0
@@ -634,7 +648,7 @@ def push_weights(sync: dict, model, version: int) -> dict:
     if sync.get("transport") == "shared":
         return push_shared(sync, model, version)
     dtype = getattr(torch, sync["dtype"])
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = base_named(model.named_parameters())  # LoRA: the merged base weights, under their own names
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
     body = {"params": params, "version": version}
     answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
@@ -812,7 +826,7 @@ def save_and_load_weights(sync: dict, model, version: int) -> dict:
 
     t0 = time.perf_counter()
     dtype = getattr(torch, sync["dtype"])
-    tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
+    tensors = {n: p.to("cpu", dtype).contiguous() for n, p in base_named(model.named_parameters())}  # LoRA: merged
     path = os.path.join(sync["dir"], f"weights_v{version}.safetensors")
     save_file(tensors, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -830,13 +844,85 @@ def verify_weights(sync: dict, model) -> int:
     dtype = getattr(torch, sync["dtype"])
     ours = {
         n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-        for n, p in model.state_dict().items()
+        for n, p in base_named(model.state_dict().items())
     }  # state_dict: a tied lm_head.weight too, as the server reports it
     theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
     differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
     if differ:
         raise RuntimeError(f"weights differ after the push: {differ[:5]}")
     return len(theirs)
+
+
+# LoRA (--lora-rank): low-rank adapters (peft) on a frozen base, and the two ways the server gets the policy they make
+def add_lora(model, args: Args, saved: Optional[str] = None):
+    """Adapters on --lora-target-modules of `model` (a Hugging Face model, changed in place: its layers now hold the
+    adapters and it computes the policy): fresh ones (B = 0, so the policy starts as the base) or those saved in the
+    checkpoint `saved`. Only the adapters require a gradient. Returns the peft model, which saves and merges them. No
+    dropout: the trainer's logprobs must be those of the policy vLLM samples from."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if saved is not None:
+        return PeftModel.from_pretrained(model, saved, is_trainable=True)
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=list(args.lora_target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def base_named(items) -> list:
+    """(name, tensor) pairs under the base model's Hugging Face names, as the server knows them: the base weight of a
+    layer with an adapter (`q_proj.base_layer.weight`) is `q_proj.weight`, and the adapters' own matrices stay here.
+    Without adapters every pair passes unchanged."""
+    return [(name.replace(".base_layer.", "."), t.detach()) for name, t in items if ".lora_" not in name]
+
+
+@contextlib.contextmanager
+def lora_merged(peft_model):
+    """Within: every adapter merged into its base weight, W + (alpha / r) B A, in place (no copy of the model), so
+    the base weights are the policy. After: unmerged, W - (alpha / r) B A. Does nothing without adapters."""
+    import torch
+
+    if peft_model is None:
+        yield
+        return
+    with torch.no_grad():
+        peft_model.merge_adapter()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            peft_model.unmerge_adapter()
+
+
+def push_adapter(url: str, peft_model, version: int, adapter_dir: str) -> float:
+    """--lora-sync adapter: write the adapter (peft's safetensors) to `adapter_dir`/v`version` and have the server
+    load it in place of the previous one under the name `policy` (POST /update_adapter). A new directory per version:
+    vLLM's prefix cache keys a LoRA request's blocks by its name and path, so blocks computed with an older adapter
+    are never reused. The previous version's files go once the server holds the new one. Returns the seconds taken."""
+    import shutil
+
+    t0 = time.time()
+    path = os.path.abspath(os.path.join(adapter_dir, f"v{version}"))
+    peft_model.save_pretrained(path)
+    done = post(url, "/update_adapter", {"name": "policy", "path": path, "version": version}).json()
+    if done["status"] != "ok":
+        raise RuntimeError(f"{url} could not load the adapter {path}: {done}")
+    for old in os.listdir(adapter_dir):
+        if old != f"v{version}":
+            shutil.rmtree(os.path.join(adapter_dir, old), ignore_errors=True)
+    return time.time() - t0
+
+
+def save_merged(peft_model, model, path: str) -> None:
+    """The policy as a plain Hugging Face model in `path` (base names, adapters merged in), for vLLM and
+    transformers."""
+    with lora_merged(peft_model):
+        model.save_pretrained(path, state_dict=dict(base_named(model.state_dict().items())))
 
 
 # Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
@@ -860,13 +946,22 @@ def eval_seed(run_seed: int, problem_index: int) -> int:
 
 
 def generate(
-    url: str, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, concurrency: int, seeds: list[int]
+    url: str,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    seeds: list[int],
+    lora: Optional[str] = None,
 ):
-    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns
-    one result per prompt."""
+    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. `lora`: the
+    name of an adapter the server loaded (--lora-sync adapter), to sample with. Returns one result per prompt."""
 
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
+        if lora is not None:
+            body["lora"] = lora
         return post(url, "/generate", body).json()["results"][0]
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -943,6 +1038,8 @@ if __name__ == "__main__":
     args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    if args.lora_sync == "adapter" and (not args.lora_rank or args.verify_sync):
+        raise SystemExit("--lora-sync adapter needs --lora-rank, and pushes no weights for --verify-sync to check")
     import random
 
     import numpy as np
@@ -961,6 +1058,8 @@ if __name__ == "__main__":
         )
         args.sync_transport = "shared"
     sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else (2 if colocated else 0)
+    if sleep_level == 2 and args.lora_rank and args.lora_sync == "adapter":  # the base it drops would never come back
+        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
@@ -1021,12 +1120,21 @@ if __name__ == "__main__":
         else []
     )
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+    if args.lora_rank:  # a frozen base in the dtype weights travel in (half of fp32's memory in bf16), fp32 adapters
+        wire_dtype = getattr(
+            torch, requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+        )
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=wire_dtype).to(device).train()
+        lora = add_lora(model, args, saved=None if load_from == args.model else load_from)  # a checkpoint's adapter
+    else:
+        lora = None
+        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
     ref_model = None
     if args.beta:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
         state_path = os.path.join(load_from, "trainer_state.pt")
@@ -1042,16 +1150,21 @@ if __name__ == "__main__":
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    if args.sync_transport == "checkpoint":
-        sync = init_checkpoint_sync(url, args.sync_dir)
-        push = save_and_load_weights
-    elif args.sync_transport == "shared":
-        sync = init_shared_sync(url, device, model, args.staging_mib)
-        push = push_weights  # (which writes into the staging buffer: see push_shared)
+    adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
+    if adapter is not None:  # the server runs the base it started with: only the adapter moves
+        push_adapter(url, lora, version, args.lora_adapter_dir)
     else:
-        sync = init_weight_sync(url, device, args.sync_host)
-        push = push_weights
-    push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+        if args.sync_transport == "checkpoint":
+            sync = init_checkpoint_sync(url, args.sync_dir)
+            push = save_and_load_weights
+        elif args.sync_transport == "shared":
+            sync = init_shared_sync(url, device, model, args.staging_mib)
+            push = push_weights  # (which writes into the staging buffer: see push_shared)
+        else:
+            sync = init_weight_sync(url, device, args.sync_host)
+            push = push_weights
+        with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
+            push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
 
     def evaluate() -> dict:
         results = generate(
@@ -1062,6 +1175,7 @@ if __name__ == "__main__":
             args.max_completion_tokens,
             args.concurrency,
             [eval_seed(args.seed, i) for i in range(len(test))],
+            lora=adapter,
         )
         grades = grade_batch(
             [res["completions"][0]["text"] for res in results],
@@ -1108,6 +1222,7 @@ if __name__ == "__main__":
             args.max_completion_tokens,
             args.concurrency,
             seeds,
+            lora=adapter,
         )
         samples = [
             Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
@@ -1213,11 +1328,16 @@ if __name__ == "__main__":
             post(url, "/wake_up", {"tags": ["weights"]})
         if not bad and step % args.sync_every_steps == 0:
             version += 1
-            sync_s = push(sync, model, version)["seconds"]
-            if args.verify_sync:
-                verify_weights(sync, model)
+            if adapter is None:
+                with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
+                    sync_s = push(sync, model, version)["seconds"]
+                    if args.verify_sync:
+                        verify_weights(sync, model)
+            else:
+                sync_s = push_adapter(url, lora, version, args.lora_adapter_dir)
         elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
-            push(sync, model, version)
+            with lora_merged(lora):
+                push(sync, model, version)
         if sleep_level:
             post(url, "/wake_up", {})
         # 7) log, evaluate, checkpoint
@@ -1271,7 +1391,13 @@ if __name__ == "__main__":
             )
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
+            if lora is None:
+                model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
+            else:  # the adapter (peft format); at the end also the merged policy, which vLLM and transformers load
+                lora.save_pretrained(path)
+                if step == args.train_steps:
+                    save_merged(lora, model, os.path.join(path, "merged"))
+                    tokenizer.save_pretrained(os.path.join(path, "merged"))
             tokenizer.save_pretrained(path)
             torch.save(
                 {

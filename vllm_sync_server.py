@@ -33,6 +33,8 @@ The protocol, in the order a trainer calls it:
   Without a group (a trainer and a server that cannot reach each other's ports but share a file system): POST
   /load_checkpoint {path, version?}, a safetensors file (or a directory of them) under --checkpoint-root, checked and
   loaded as a push of the same tensors.
+  LoRA (a server started with --enable-lora): POST /update_adapter {name, path, version?} loads an adapter's files in
+  place of its previous version; /generate with `lora: name` samples with it.
 """
 
 import asyncio
@@ -94,6 +96,7 @@ class ServerState:
     packed: dict = field(default_factory=dict)  # vLLM's fused tensors: {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one collective RPC at a time
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # open but while a push goes into an idle engine
+    adapters: dict = field(default_factory=dict)  # {name: version} of the LoRA adapters /update_adapter loaded
 
 
 def check_push(params: list[dict], specs: dict[str, dict], packed: dict[str, list[str]]) -> Optional[str]:
@@ -867,6 +870,33 @@ async def load_checkpoint(args: Args, state: ServerState, path: str, version: Op
         state.tasks -= 1
 
 
+async def load_adapter(state: ServerState, models, name: str, path: str, version: Optional[int]) -> dict:
+    """/update_adapter: load the LoRA adapter saved in `path` (peft's format) under `name`, replacing the one loaded
+    under that name before, and label it `version` (default: its previous version + 1). vLLM's own loader does it
+    (`models`: vLLM's OpenAIServingModels, whose /v1/load_lora_adapter it serves) with load_inplace: the adapter keeps
+    its LoRA id and the engine reads the new weights before its next step, so /generate with `lora: name` (and vLLM's
+    /v1 routes with model `name`) sample with them from the next request on. vLLM keys a LoRA request's cached prefix
+    blocks by the adapter's name and path: a new `path` per version never meets them, and the prefix cache is reset
+    anyway."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    t0 = time.perf_counter()
+    if state.engine.vllm_config.lora_config is None:
+        return {"status": "error", "error": "LoRA is off: start the server with --enable-lora --max-lora-rank R"}
+    request = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
+    answer = await models.load_lora_adapter(request)
+    if not isinstance(answer, str):  # vLLM's ErrorResponse: no such files, a rank over --max-lora-rank, ...
+        return {"status": "error", "error": answer.error.message}
+    state.adapters[name] = version if version is not None else state.adapters.get(name, 0) + 1
+    await state.engine.reset_prefix_cache()  # a path written again (a new run where an old one wrote) has new weights
+    return {
+        "status": "ok",
+        "name": name,
+        "version": state.adapters[name],
+        "seconds": round(time.perf_counter() - t0, 4),
+    }
+
+
 def completion_json(c) -> dict:
     """One of vLLM's CompletionOutputs as /generate answers it."""
     spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
@@ -927,23 +957,33 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         stop: Optional[list[str]] = None
         seed: Optional[int] = None
         ignore_eos: bool = False
+        lora: Optional[str] = None  # the name of an adapter /update_adapter loaded: sample with it
 
     async def sample(req: GenerateRequest, i: int, ids: list[int]) -> dict:
         # vLLM seeds sample j of a request with its seed + j: prompt i starts at seed + i * n, so sample j of
         # prompt i draws from seed + i * n + j and no two samples of one request share a random stream
         seed = None if req.seed is None else req.seed + i * req.n
         sampling_params = SamplingParams(
-            **req.model_dump(exclude={"prompts", "messages", "seed"}),  # the rest have vLLM's names
+            **req.model_dump(exclude={"prompts", "messages", "seed", "lora"}),  # the rest have vLLM's names
             logprobs=0,  # the sampled token's
             seed=seed,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         prompt = {"prompt_token_ids": ids}
         request_id = uuid.uuid4().hex
+        lora = None if req.lora is None else app.state.openai_serving_models.lora_requests[req.lora]
+        adapter_version = state.adapters.get(req.lora)
         final = None
-        async for output in state.engine.generate(prompt, sampling_params=sampling_params, request_id=request_id):
+        outputs = state.engine.generate(
+            prompt, sampling_params=sampling_params, request_id=request_id, lora_request=lora
+        )
+        async for output in outputs:
             final = output  # FINAL_ONLY: a single output, once the request is done
-        return {"prompt_token_ids": ids, "completions": [completion_json(c) for c in final.outputs]}
+        completions = [completion_json(c) for c in final.outputs]
+        if lora is not None:  # the policy is the adapter: its versions, at the start and the end of the request
+            for c in completions:
+                c["versions"] = sorted({adapter_version, state.adapters[req.lora]})
+        return {"prompt_token_ids": ids, "completions": completions}
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
@@ -962,6 +1002,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
                 f"{count} '{kind}' x n {req.n} = {count * req.n} sequences, over this server's "
                 f"max_num_seqs {max_seqs} per request",
             )
+        if req.lora is not None and req.lora not in state.adapters:
+            raise HTTPException(400, f"no adapter {req.lora!r}: POST /update_adapter first")
         if req.messages is None:
             prompts = req.prompts
         else:
@@ -1059,6 +1101,18 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         except ValueError as e:  # refused before anything was read into the engine
             raise HTTPException(400, str(e)) from e
         return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
+
+    class AdapterRequest(BaseModel):
+        name: str  # what /generate's `lora` (and vLLM's /v1 routes' `model`) call it
+        path: str  # a directory with adapter_config.json and adapter_model.safetensors, readable by this server
+        version: Optional[int] = None  # default: its previous version + 1
+
+    @app.post("/update_adapter")
+    async def update_adapter(req: AdapterRequest):
+        answer = await load_adapter(state, app.state.openai_serving_models, req.name, req.path, req.version)
+        if answer["status"] != "ok":
+            raise HTTPException(400, answer["error"])
+        return answer
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

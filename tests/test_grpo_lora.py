@@ -1,0 +1,267 @@
+"""SCRIPT with LoRA (--lora-rank): the adapters on the real toy model against a real vllm_sync_server on CPU, in both
+ways the server gets the policy (--lora-sync merged: the merged base over the weight push; adapter: the adapter's
+files, loaded by vLLM's LoRA). The reference for the trainer's logprobs is the server's own sampling, and the
+reference for a merged checkpoint is the base plus (alpha / r) B A computed here from the saved adapter."""
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from test_grpo_gsm8k import run_script
+
+from conftest import (
+    GAP_PROMPTS,
+    assert_learned,
+    import_script,
+    load_weights,
+    max_abs_diff,
+    read_jsonl,
+    server_matches,
+    start_server,
+    stop_server,
+    worst_logprob_gap,
+)
+
+SCRIPT = "grpo_gsm8k.py"
+G = import_script(SCRIPT)
+LORA = ("--lora-rank", "8", "--lora-alpha", "16")
+HOT = ("--train-temperature", "0.7")  # the trainer's logprobs must follow the sampling temperature to agree
+
+
+@pytest.fixture(scope="module")
+def toy_model(toy_model, tmp_path_factory) -> str:
+    """The toy model with its final norm's gain x4, for every test here (and the module's servers). LoRA leaves the
+    tied embedding and lm_head frozen, and the toy's random rows (std 0.02) cap every logit at about |e_v| sqrt(H) =
+    2.6: no token can get past a probability of about 0.1, and the toy task's reward stalls near 0.45. A trained
+    model's final norm and embedding are far larger; x4 lets a logit reach about 10, as full fine-tuning does by
+    growing the embedding."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("lora_toy") / "toy"
+    model = AutoModelForCausalLM.from_pretrained(toy_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4)
+    model.save_pretrained(path)
+    for name in os.listdir(toy_model):  # the tokenizer, the generation config, the boxed tokens' ids
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(toy_model, name), path)
+    return str(path)
+
+
+def lora_model(path: str, seed: int = 0):
+    """The toy model with rank-8 adapters whose B is random (a fresh adapter has B = 0 and changes nothing): the
+    policy differs from the base, so a server still running the base would fail the comparisons."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = G.add_lora(model, tyro.cli(G.Args, args=list(LORA)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, peft_model
+
+
+def merged_reference(base_dir, adapter_dir) -> dict:
+    """The merged policy computed from the files alone: every adapted weight W + (alpha / r) B A, from the base
+    model's safetensors and the adapter's (peft names: base_model.model.<name>.lora_A.weight)."""
+    from safetensors.torch import load_file
+
+    weights = load_weights(base_dir)
+    adapter = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    config = json.loads(Path(adapter_dir, "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    for key, a in adapter.items():
+        if ".lora_A." in key:
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            b = adapter[key.replace(".lora_A.", ".lora_B.")]
+            weights[name] = weights[name] + scale * (b @ a)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------------
+# --lora-sync merged: the existing push, of the base with the adapters merged in
+
+
+def test_merged_push_server_logprobs_equal_the_peft_models(toy):
+    """After a merged push with the script's own client, the server's logprobs of the tokens it samples equal the
+    trainer's (the model with adapters, computed the way training computes them) within 1e-4 in fp32, and unmerging
+    gives the base back (within fp32 rounding)."""
+    model, peft_model = lora_model(toy.model)
+    base = {n: t.clone() for n, t in G.base_named(model.named_parameters())}
+    sync = G.init_weight_sync(toy.url, torch.device("cpu"))
+    with G.lora_merged(peft_model):
+        G.push_weights(sync, model, version=100)
+    assert max_abs_diff(base, dict(G.base_named(model.named_parameters()))) < 1e-6
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+    results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=1.0, max_tokens=24, concurrency=4, seeds=seeds)
+    assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
+    with torch.no_grad():  # the control: the base's logprobs are far from the server's, so the comparison can fail
+        peft_model.base_model.disable_adapter_layers()
+        assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) > 1e-2
+        peft_model.base_model.enable_adapter_layers()
+
+
+class Run(NamedTuple):
+    workdir: Path
+    stdout: str
+    metrics: list[dict]
+
+
+@pytest.fixture(scope="module")
+def merged_a(toy, tmp_path_factory) -> Run:
+    """Merged run A: 2 steps with rank-8 adapters, every push verified by checksum, a checkpoint every step."""
+    workdir = tmp_path_factory.mktemp("merged_A")
+    extra = ("--train-steps", "2", "--save-every", "1", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
+    out, m = run_script(toy.url, workdir, *extra, model=toy.model)
+    assert server_matches(toy.url, workdir / "ckpt" / "step_2" / "merged")  # before another run pushes its own
+    return Run(workdir, out, m)
+
+
+def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
+    """Run A pushes two verified versions, its trainer agrees with the sampler, its checkpoints hold the adapter
+    (peft format, no full model), and the last one also a merged model that transformers loads and that equals the
+    base plus (alpha / r) B A of the saved adapter; the server held exactly that model at the end; the base moved
+    nowhere but through the adapter."""
+    from transformers import AutoModelForCausalLM
+
+    m = merged_a.metrics
+    assert [int(x["version"]) for x in m] == [1, 2]
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
+    step_1 = merged_a.workdir / "ckpt" / "step_1"
+    step_2 = merged_a.workdir / "ckpt" / "step_2"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(step_1))
+    assert "model.safetensors" not in os.listdir(step_1) and not (step_1 / "merged").exists()
+    merged = load_weights(step_2 / "merged")
+    want = merged_reference(toy.model, step_2)
+    assert set(merged) == set(want) and max_abs_diff(merged, want) < 1e-5
+    assert max_abs_diff(merged, load_weights(toy.model)) > 1e-4  # the adapter moved the policy
+    AutoModelForCausalLM.from_pretrained(step_2 / "merged")
+
+
+def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
+    """Run A resumed for a third step starts from A's adapter and optimizer state: its step-3 adapter equals that of
+    the same 3 steps run straight (a fresh adapter or fresh Adam moments would differ by about the learning rate),
+    and step 3 moved it."""
+    from safetensors.torch import load_file
+
+    extra = ("--train-steps", "3", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
+    out, m = run_script(toy.url, merged_a.workdir, *extra, "--resume", model=toy.model)
+    assert "resumed from ckpt/step_2 at step 2" in out and [x["version"] for x in m] == ["3"]
+    run_script(toy.url, tmp_path, *extra, model=toy.model)
+
+    def adapter(workdir, step):
+        return load_file(workdir / "ckpt" / f"step_{step}" / "adapter_model.safetensors")
+
+    resumed = adapter(merged_a.workdir, 3)
+    moved = max_abs_diff(resumed, adapter(merged_a.workdir, 2))  # Adam's step 3: about the learning rate
+    diff = max_abs_diff(resumed, adapter(tmp_path, 3))  # float noise (the merges round the base differently)
+    assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lora_learns_the_toy_task(toy, tmp_path, seed):
+    """GRPO with rank-8 adapters (lr 3e-2, 10x full fine-tuning's) pushes the toy task's mean reward up within 20
+    steps (the module's toy model: see toy_model)."""
+    extra = ("--train-steps", "20", "--save-every", "100", "--seed", str(seed), "--learning-rate", "3e-2", *LORA)
+    _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
+    rewards = [float(x["reward"]) for x in m]
+    print("rewards", rewards)
+    assert_learned(rewards)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --lora-sync adapter: the server runs the base with LoRA on, and loads each version's adapter files in place
+
+
+@pytest.fixture(scope="module")
+def lora_server(toy_model, tmp_path_factory) -> str:
+    """A server of the toy model with LoRA on (vLLM's flags; rank 8 at most), for this module."""
+    log = str(tmp_path_factory.mktemp("lora_server") / "server.log")
+    proc, url = start_server(toy_model, log, "--enable-lora", "--max-lora-rank", "8")
+    yield url
+    stop_server(proc)
+
+
+def test_adapter_push_server_logprobs_equal_the_peft_models(toy, lora_server, tmp_path):
+    """push_adapter writes the adapter and the server loads it in place: /generate with `lora` then samples with
+    it (the trainer's logprobs of its tokens agree within 1e-4 in fp32) and reports its version; a second adapter,
+    pushed as the next version, replaces the first on the very next request, and the first one's files go."""
+    import requests
+
+    model, peft_model = lora_model(toy.model, seed=0)
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+
+    def sample(lora):
+        return G.generate(lora_server, GAP_PROMPTS, 4, 1.0, 24, 4, seeds, lora=lora)
+
+    G.push_adapter(lora_server, peft_model, 7, str(tmp_path))
+    results = sample("policy")
+    assert {v for r in results for c in r["completions"] for v in c["versions"]} == {7}
+    assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
+    assert worst_logprob_gap(G, model, GAP_PROMPTS, sample(None), 1.0) > 1e-2  # the base alone: far off
+    with torch.no_grad():  # the next version: other adapter weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    G.push_adapter(lora_server, peft_model, 8, str(tmp_path))
+    results = sample("policy")
+    assert {v for r in results for c in r["completions"] for v in c["versions"]} == {8}
+    assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
+    assert os.listdir(tmp_path) == ["v8"]
+    # vLLM's own /v1 routes know the adapter by its name too: greedy, they answer what /generate answers with it
+    greedy = G.generate(lora_server, GAP_PROMPTS[:1], 1, 0.0, 12, 1, [0], lora="policy")[0]["completions"][0]
+    body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": 12, "temperature": 0.0}
+    v1 = requests.post(lora_server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert v1["text"] == greedy["text"]
+
+
+def test_an_adapter_without_lora_on_is_refused(toy, tmp_path):
+    """A server started without --enable-lora refuses /update_adapter and says which flags it needs; /generate
+    refuses an adapter name it never loaded."""
+    import requests
+
+    _, peft_model = lora_model(toy.model)
+    with pytest.raises(RuntimeError, match="--enable-lora --max-lora-rank"):
+        G.push_adapter(toy.url, peft_model, 1, str(tmp_path))
+    r = requests.post(toy.url + "/generate", json={"prompts": [[5, 6]], "lora": "policy"}, timeout=60)
+    assert r.status_code == 400 and "no adapter 'policy'" in r.text
+
+
+def test_adapter_run_samples_with_each_version(lora_server, toy_model, tmp_path):
+    """The script with --lora-sync adapter: 2 steps, each sampled with the adapter of the step before (the rollout
+    log's versions: 0 for step 1, the fresh adapter; 1 for step 2), the trainer's logprobs equal to the sampler's,
+    only the newest adapter left in --lora-adapter-dir, and a merged model at the end."""
+    extra = ("--train-steps", "2", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
+    _, m = run_script(lora_server, tmp_path, *extra, "--lora-sync", "adapter", model=toy_model)
+    assert [int(x["version"]) for x in m] == [1, 2]
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
+    rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
+    assert [{v for r in rollouts if r["step"] == s for v in r["versions"]} for s in (1, 2)] == [{0}, {1}]
+    assert os.listdir(tmp_path / "lora_adapters") == ["v2"]
+    merged = load_weights(tmp_path / "ckpt" / "step_2" / "merged")
+    assert max_abs_diff(merged, merged_reference(toy_model, tmp_path / "ckpt" / "step_2")) < 1e-5
+
+
+def test_merged_over_the_checkpoint_transport(toy_model, tmp_path):
+    """--lora-sync merged with --sync-transport checkpoint: the merged base, saved under its own names, is what the
+    server loads (--verify-sync at every push; at the end the server holds the merged model of the last checkpoint),
+    and the sampler agrees with the trainer."""
+    root = tmp_path / "root"  # the server's --checkpoint-root
+    proc, url = start_server(toy_model, str(tmp_path / "server.log"), "--checkpoint-root", str(root))
+    try:
+        extra = ("--train-steps", "2", "--save-every", "2", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
+        transport = ("--sync-transport", "checkpoint", "--sync-dir", str(root / "sync"))
+        _, m = run_script(url, tmp_path, *extra, *transport, model=toy_model)
+        assert server_matches(url, tmp_path / "ckpt" / "step_2" / "merged")
+    finally:
+        stop_server(proc)
+    assert [int(x["version"]) for x in m] == [1, 2], m
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
