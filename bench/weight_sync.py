@@ -22,11 +22,12 @@ With --transports, instead: how long new weights take from the trainer's memory 
 on each way a trainer can hand them over, side by side in one run on the same model, round after round:
   - restart: save a Hugging Face checkpoint, stop the server, start it on the checkpoint, generate one token;
   - checkpoint: save one safetensors file under the server's --checkpoint-root, POST /load_checkpoint, one token;
-  - broadcast: the push of 1. (a group joined beforehand, as a trainer does once), one token.
+  - broadcast: the push of 1. (a group joined beforehand, as a trainer does once), one token;
+  - shared: the push of 3. (the buffer mapped beforehand, as a trainer does once), one token.
 
-Model: a random Qwen2 built locally (no hub): by default 304 MB in 291 fp32 tensors (the issue's "at least 200 MB and
-about 300 tensors"); with --shape qwen2.5-0.5b, the shapes of Qwen2.5-0.5B-Instruct, the scripts' default model, in 290
-tensors: with --dtype bfloat16 (the engine's and the push's dtype) exactly the bytes of its push on GPU, 988 MB.
+Model: a random Qwen2 built locally (no hub): by default 304 MB in 291 fp32 tensors; with --shape qwen2.5-0.5b, the
+shapes of Qwen2.5-0.5B-Instruct, the scripts' default model, in 290 tensors: with --dtype bfloat16 (the engine's and
+the push's dtype) exactly the bytes of its push on GPU, 988 MB.
 Run: .venv/bin/python bench/weight_sync.py [--shape qwen2.5-0.5b --dtype bfloat16]   (CPU, about 5 / 10 minutes)
      .venv/bin/python bench/weight_sync.py --transports [--shape ... --dtype ...]      (CPU, about 3 / 6 minutes)
 """
@@ -431,8 +432,8 @@ def checksums_match(url, named) -> bool:
 
 
 def transports(shape: str, dtype: str, tmp: str) -> None:
-    """Restart, checkpoint reload and broadcast, round after round on the same machine, each from new weights in the
-    trainer's memory to the first token sampled with them."""
+    """Restart, checkpoint reload, broadcast and the shared transport, round after round on the same machine, each from
+    new weights in the trainer's memory to the first token sampled with them."""
     from safetensors.torch import save_file
 
     model_dir = build_tiny_model(os.path.join(tmp, "bench-qwen2"), **SHAPES[shape])
@@ -446,16 +447,23 @@ def transports(shape: str, dtype: str, tmp: str) -> None:
     proc, url = start_server(model_dir, os.path.join(tmp, "server-0.log"), *flags)
     times = {}  # way -> [seconds]
     parts = {}  # way, part -> [seconds]
+    stem = os.path.join("/dev/shm", f"cleanrlvr-bench-{os.getpid()}")  # the shared transport's files
     try:
         for r in range(TRANSPORT_ROUNDS):
-            pg, store = make_group(url)  # joined once per server, as a trainer does: not timed
-            for way in ("broadcast", "checkpoint", "restart"):
+            for way in ("broadcast", "shared", "checkpoint", "restart"):
                 torch.manual_seed(r)
                 named = {k: (torch.randn_like(v) * 0.02).to(getattr(torch, dtype)) for k, v in base.items()}
+                # joined once per server, as a trainer does, so not timed (a group and a mapping replace each other)
+                if way == "broadcast":
+                    pg, store = make_group(url)
+                elif way == "shared":
+                    shared = map_shared(url, named, stem)
                 time.sleep(1.2)  # vLLM's processes idle again (see clock in main)
                 t0 = time.perf_counter()
                 if way == "broadcast":
                     push(url, pg, named)
+                elif way == "shared":
+                    push_shared(url, shared, named)
                 elif way == "checkpoint":
                     path = os.path.join(root, f"weights_r{r}.safetensors")
                     save_file(named, path + ".tmp")  # as grpo_gsm8k.py saves: a temporary name, then renamed
@@ -486,12 +494,15 @@ def transports(shape: str, dtype: str, tmp: str) -> None:
                     os.remove(path)
     finally:
         stop_server(proc)
+        for suffix in (".buffer", ".control"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stem + suffix)
     print(
         f"\nnew weights in the trainer's memory -> first token sampled with them; median of {TRANSPORT_ROUNDS} rounds"
     )
     print(f"{'way':<44} {'seconds':>8} {'x broadcast':>12}")
     base = statistics.median(times["broadcast"])
-    for way in ("restart", "checkpoint", "broadcast"):
+    for way in ("restart", "checkpoint", "broadcast", "shared"):
         v = statistics.median(times[way])
         print(f"{way:<44} {v:8.3f} {v / base:12.1f}")
         for (w, part), xs in parts.items():
@@ -507,7 +518,9 @@ if __name__ == "__main__":
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and the push's"
     )
     parser.add_argument(
-        "--transports", action="store_true", help="restart, checkpoint reload and broadcast, side by side, instead"
+        "--transports",
+        action="store_true",
+        help="restart, checkpoint reload, broadcast and the shared transport, side by side, instead",
     )
     args, tmp = parser.parse_args(), tempfile.mkdtemp()
     REPEATS = args.repeats
