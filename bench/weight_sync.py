@@ -456,8 +456,9 @@ def transports(shape: str, dtype: str, tmp: str) -> None:
                 # joined once per server, as a trainer does, so not timed (a group and a mapping replace each other)
                 if way == "broadcast":
                     pg, store = make_group(url)
-                elif way == "shared":
+                elif way == "shared":  # (and one push: a trainer's buffer has its pages after the first step)
                     shared = map_shared(url, named, stem)
+                    push_shared(url, shared, named)
                 time.sleep(1.2)  # vLLM's processes idle again (see clock in main)
                 t0 = time.perf_counter()
                 if way == "broadcast":
