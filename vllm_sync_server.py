@@ -809,23 +809,29 @@ async def advance_version(state: ServerState, version: Optional[int]) -> None:
     await state.engine.update_weight_version(str(state.version))
 
 
+async def update_weights(args: Args, state: ServerState, method: str, version: Optional[int], **kwargs) -> dict:
+    """One weight update on every worker (`method`: a push's receive, or a checkpoint's read; `kwargs` its arguments),
+    with the engine held and the version advanced after it. Returns the report; raises what the workers raised."""
+    t0 = time.perf_counter()
+    async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
+        num_params, direct = await collective(args, state, method, direct=args.direct_load, **kwargs)
+        await advance_version(state, version)
+    return {
+        "status": "ok",
+        "version": state.version,
+        "num_params": num_params,
+        "direct": direct,
+        "paused": paused,
+        "seconds": round(time.perf_counter() - t0, 4),
+    }
+
+
 async def receive_push(args: Args, state: ServerState, params: list[dict], version: Optional[int]) -> dict:
     """The second half of /update_param_batch, while the trainer broadcasts. Returns the report; a failure drops the
     communicator (the worker already dropped its end) and is reported, not raised."""
-    t0 = time.perf_counter()
     try:
-        async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
-            # every worker receives each tensor from rank 0, which broadcasts once it has read line 1
-            num_params, direct = await collective(args, state, "sync_update", params=params, direct=args.direct_load)
-            await advance_version(state, version)
-        return {
-            "status": "ok",
-            "version": state.version,
-            "num_params": num_params,
-            "direct": direct,
-            "paused": paused,
-            "seconds": round(time.perf_counter() - t0, 4),
-        }
+        # every worker receives each tensor from rank 0, which broadcasts once it has read line 1
+        return await update_weights(args, state, "sync_update", version, params=params)
     except Exception as e:
         state.communicator = None
         state.last_error = f"update_param_batch: {e}"
@@ -846,22 +852,9 @@ async def load_checkpoint(args: Args, state: ServerState, path: str, version: Op
         raise ValueError(f"{path}: {problem}")
     state.updating = True  # (no await since the route saw it false: no other update can start in between)
     state.tasks += 1
-    t0 = time.perf_counter()
     try:
-        async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
-            # every worker reads the files into its model, on the load path a push would take
-            num_params, direct = await collective(
-                args, state, "sync_load_checkpoint", files=files, direct=args.direct_load
-            )
-            await advance_version(state, version)
-        return {
-            "status": "ok",
-            "version": state.version,
-            "num_params": num_params,
-            "direct": direct,
-            "paused": paused,
-            "seconds": round(time.perf_counter() - t0, 4),
-        }
+        # every worker reads the files into its model, on the load path a push would take
+        return await update_weights(args, state, "sync_load_checkpoint", version, files=files)
     except Exception as e:
         state.last_error = f"load_checkpoint: {e}"
         return {"status": "error", "error": state.last_error}
