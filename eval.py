@@ -168,13 +168,11 @@ def on_cpu_limit(signum, frame):
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} / \\fbox{...} (balanced braces) or `\\boxed 5`; else None."""
-    boxes = list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))
-    if not boxes:
+    if not (boxes := list(re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*", text))):
         return None
     i = boxes[-1].end()  # only the last box counts; if it is broken, the answer is broken
     if not text.startswith("{", i):
-        m = re.match(r"[^\s$]+", text[i:])
-        return m.group(0) if m else None
+        return m.group(0) if (m := re.match(r"[^\s$]+", text[i:])) else None
     depth = 0
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
