@@ -1185,6 +1185,8 @@ if __name__ == "__main__":
     if sleep_level == 2 and args.lora_rank and args.lora_sync == "adapter":  # the base it drops would never come back
         raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
+    if sleep_level and device.type != "cuda":
+        raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
         if not torch.cuda.is_bf16_supported(including_emulation=False):  # (emulated bf16 would crawl, if it ran)

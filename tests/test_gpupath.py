@@ -253,3 +253,17 @@ def test_the_copies_of_connect_nccl_are_identical():
             if isinstance(node, ast.FunctionDef) and node.name == "connect_nccl"
         }
     assert len(copies) == 1
+
+
+def test_sleep_mode_on_cpu_is_refused_at_start(tmp_path):
+    """vLLM sleeps on GPUs only (the server drops --enable-sleep-mode on CPU): a trainer asked to sleep it says so at
+    start, before it loads anything, not with an error of torch.cuda at its first step."""
+    r = subprocess.run(
+        [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--vllm-sleep-level", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert r.returncode == 1 and "sleep mode needs a GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
