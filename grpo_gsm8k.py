@@ -594,6 +594,38 @@ def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
             raise RuntimeError(f"{what} failed: {work.exception()}")
 
 
+def connect_nccl(pg, device, read_answers, timeout_s: float) -> list[dict]:
+    """Connect NCCL's communicator of `pg` (rank 0's end) now, while the servers' workers connect theirs, and return
+    read_answers() (the servers' second lines). torch would connect at the first collective: a bad NCCL set-up (no
+    route between the GPUs, a missing library) would then fail the first push instead of /init_communicator. In a
+    thread, because the connect waits for every rank: workers that failed before connecting say why in their answer,
+    and the thread is then left behind (a daemon). gloo (CPU) connected as the group was built."""
+    import threading
+
+    import torch
+
+    if device.type != "cuda":
+        return read_answers()
+    failed = []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def connect():
+        try:
+            pg.eager_connect_single_device(torch.device("cuda", index))
+        except Exception as e:  # raised by the caller's thread, below
+            failed.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    answers = read_answers()
+    if all(a.get("status") == "ok" for a in answers):
+        thread.join(timeout_s)
+        if thread.is_alive() or failed:
+            pg.abort()
+            raise RuntimeError(f"NCCL's communicator did not connect: {failed[0] if failed else 'timed out'}")
+    return answers
+
+
 def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
@@ -633,7 +665,7 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             f"the workers of {url} did not join this trainer's group at {host}:{port}: "
             f"{next(answer, {}).get('error', e)}"
         ) from e
-    done = next(answer)
+    done = connect_nccl(pg, device, lambda: [next(answer)], wait_s)[0]  # (NCCL: the workers connect now, and we)
     if done["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
@@ -707,14 +739,15 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
     UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): tensors written (ours) and
     tensors copied (the server's), so that the copies on both sides overlap and a window can be reused in rounds.
     Both files are unlinked once mapped: a killed trainer leaves nothing behind in /dev/shm."""
-    import base64
-
     import torch
-    from torch.multiprocessing.reductions import reduce_tensor
 
     info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     if info["device"] != device.type:  # CUDA IPC and /dev/shm each need both ends on one kind of device
         raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
+    if device.type == "cuda":  # before anything is made
+        alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        if (problem := staging_alloc_problem(alloc_conf, torch.cuda.memory.get_allocator_backend())) is not None:
+            raise RuntimeError(problem)
     dtype = getattr(torch, info["dtype"])
     itemsize = torch.empty((), dtype=dtype).element_size()
     numels = [p.numel() for p in model.parameters()]
@@ -726,22 +759,7 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
     files = [stem + ".control"]
     if device.type == "cuda":
         buffer = torch.empty(numel, dtype=dtype, device=device)  # [numel]
-        # reduce_tensor's rebuild arguments (torch/multiprocessing/reductions.py); the tensor and storage classes,
-        # shape, stride and device index are the server's to fix, the rest travels as plain JSON
-        (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event, sync) = (
-            reduce_tensor(buffer)[1]
-        )
-        spec |= {
-            "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
-            "handle": base64.b64encode(handle).decode(),
-            "storage_size_bytes": size_bytes,
-            "storage_offset_bytes": offset_bytes,
-            "ref_counter_handle": base64.b64encode(rc_handle).decode(),
-            "ref_counter_offset": rc_offset,
-            "event_handle": base64.b64encode(event or b"").decode(),
-            "event_sync_required": bool(sync),
-            "tensor_offset": tensor_offset,
-        }
+        spec |= cuda_ipc_fields(buffer)
     else:
         buffer = torch.from_file(stem + ".buffer", shared=True, size=numel, dtype=dtype)  # [numel]
         spec["path"] = stem + ".buffer"
@@ -769,6 +787,51 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
         "timeout_s": wait_s,
         "round_timeout_s": info["sync_timeout_s"],
     }
+
+
+def cuda_ipc_fields(buffer) -> dict:
+    """The shared transport's CUDA fields for the staging buffer `buffer`: the arguments of torch's reduce_tensor
+    (torch/multiprocessing/reductions.py) that rebuild_cuda_tensor takes, as plain JSON (bytes as base64), and the
+    GPU's UUID. The tensor and storage classes, shape, stride and device index are the server's to fix."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event, sync) = (
+        reduce_tensor(buffer)[1]
+    )
+    return {
+        "gpu_uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
+        "handle": base64.b64encode(handle).decode(),
+        "storage_size_bytes": size_bytes,
+        "storage_offset_bytes": offset_bytes,
+        "ref_counter_handle": base64.b64encode(rc_handle).decode(),
+        "ref_counter_offset": rc_offset,
+        "event_handle": base64.b64encode(event or b"").decode(),
+        "event_sync_required": bool(sync),
+        "tensor_offset": tensor_offset,
+    }
+
+
+def staging_alloc_problem(alloc_conf: str, backend: str) -> Optional[str]:
+    """Why torch's CUDA allocator cannot give the shared transport its staging buffer, or None. `alloc_conf`: the value
+    of PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF); `backend`: torch.cuda.memory.get_allocator_backend(). The
+    buffer must be plain cudaMalloc memory, the kind reduce_tensor exports with cudaIpcGetMemHandle: expandable
+    segments export through file descriptors or fabric handles instead, and the cudaMallocAsync backend refuses to
+    export at all (its shareIpcHandle raises)."""
+    settings = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
+    if settings.get("expandable_segments", "").lower() == "true":
+        why = "expandable_segments:True"
+    elif backend == "cudaMallocAsync":
+        why = "the cudaMallocAsync backend"
+    else:
+        return None
+    return (
+        f"the shared transport hands its staging buffer to the server through CUDA IPC, which torch's allocator with "
+        f"{why} (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF) does not give it: run this trainer without it, or use "
+        "--sync-transport checkpoint"
+    )
 
 
 def push_shared(sync: dict, model, version: int) -> dict:
@@ -1023,6 +1086,67 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
 
+# One GPU for both: vLLM sleeps while this trainer updates, and must find its memory free when it wakes
+WAKE_MARGIN = 256 << 20  # bytes kept free beyond what vLLM takes back (a margin, not a measured figure)
+
+
+def wake_problem(free_bytes: int, asleep_bytes: int) -> Optional[str]:
+    """Why vLLM must not be woken now, or None: it maps again the `asleep_bytes` it released at /sleep, and the GPU has
+    `free_bytes` free (torch.cuda.mem_get_info, after torch's cache was emptied). A wake-up that runs out of memory
+    fails inside vLLM's engine and leaves it dead; refused here, the run stops with the flags that make room."""
+    if free_bytes >= asleep_bytes + WAKE_MARGIN:
+        return None
+    return (
+        f"vLLM takes back {asleep_bytes / 2**30:.2f} GiB when it wakes up and the GPU has {free_bytes / 2**30:.2f} GiB "
+        f"free (with {WAKE_MARGIN >> 20} MiB to spare): waking it would fail inside its engine. Lower this trainer's "
+        "share (--micro-token-budget, --max-seq-len; --lora-rank for a smaller optimizer state; --staging-mib for the "
+        "staging buffer) or vLLM's (--vllm-gpu-memory-utilization)"
+    )
+
+
+def sleep_vllm(url: str, device, level: int) -> int:
+    """POST /sleep; returns the bytes it freed on this GPU (torch.cuda.mem_get_info before and after), which vLLM will
+    take back at /wake_up. Only this trainer allocates meanwhile, and it waits for the answer."""
+    import torch
+
+    free = torch.cuda.mem_get_info(device)[0]
+    post(url, "/sleep", {"level": level})
+    return max(0, torch.cuda.mem_get_info(device)[0] - free)
+
+
+def wake_vllm(url: str, device, asleep_bytes: int, tags: Optional[list[str]] = None) -> int:
+    """POST /wake_up (`tags`: those only; None: all) once the GPU has room for the `asleep_bytes` vLLM has still to take
+    back (all of them, even for a partial wake-up: better to stop before the first than between the two). torch's
+    cache goes first: its blocks are free to torch alone. Returns the bytes still asleep after."""
+    import torch
+
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    if (problem := wake_problem(free, asleep_bytes)) is not None:
+        raise SystemExit(problem)  # vLLM stays asleep, and is stopped at exit (start_vllm_server)
+    post(url, "/wake_up", {"tags": tags} if tags else {})
+    return max(0, asleep_bytes - (free - torch.cuda.mem_get_info(device)[0]))
+
+
+def init_adamw_state(optimizer) -> None:
+    """AdamW's moments, made now as its first step would make them (zeros) instead of at that step: beside a sleeping
+    vLLM, this trainer's memory must all be there before vLLM's first /sleep, whose freed bytes are what it takes back
+    (wake_vllm). A step on zero gradients makes them: with no weight decay every parameter stays bit for bit, and the
+    step count goes back to 0, so the first real step is the one it would have been. Does nothing to a resumed
+    optimizer (its state is loaded) or one with weight decay."""
+    import torch
+
+    if optimizer.state or any(group["weight_decay"] for group in optimizer.param_groups):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        state["step"].zero_()
+
+
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
@@ -1061,8 +1185,15 @@ if __name__ == "__main__":
     if sleep_level == 2 and args.lora_rank and args.lora_sync == "adapter":  # the base it drops would never come back
         raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
+    if sleep_level and device.type != "cuda":
+        raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
+        if not torch.cuda.is_bf16_supported(including_emulation=False):  # (emulated bf16 would crawl, if it ran)
+            raise SystemExit(
+                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this trainer computes in "
+                "bf16 autocast"
+            )
     print(
         f"training on {device}"
         + (
@@ -1149,6 +1280,8 @@ if __name__ == "__main__":
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
+    if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
+        init_adamw_state(optimizer)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
     if adapter is not None:  # the server runs the base it started with: only the adapter moves
@@ -1259,7 +1392,7 @@ if __name__ == "__main__":
         # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
         pushes = (step + 1) % args.sync_every_steps == 0
         if sleep_level:
-            post(url, "/sleep", {"level": sleep_level if pushes else 1})
+            asleep_bytes = sleep_vllm(url, device, sleep_level if pushes else 1)
         micro = [
             [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
         ]
@@ -1324,8 +1457,7 @@ if __name__ == "__main__":
         sync_s = 0.0
         if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
             optimizer.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            post(url, "/wake_up", {"tags": ["weights"]})
+            asleep_bytes = wake_vllm(url, device, asleep_bytes, ["weights"])
         if not bad and step % args.sync_every_steps == 0:
             version += 1
             if adapter is None:
@@ -1338,8 +1470,8 @@ if __name__ == "__main__":
         elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
             with lora_merged(lora):
                 push(sync, model, version)
-        if sleep_level:
-            post(url, "/wake_up", {})
+        if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
+            wake_vllm(url, device, asleep_bytes)
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens

@@ -389,6 +389,38 @@ def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
             raise RuntimeError(f"{what} failed: {work.exception()}")
 
 
+def connect_nccl(pg, device, read_answers, timeout_s: float) -> list[dict]:
+    """Connect NCCL's communicator of `pg` (rank 0's end) now, while the servers' workers connect theirs, and return
+    read_answers() (the servers' second lines). torch would connect at the first collective: a bad NCCL set-up (no
+    route between the GPUs, a missing library) would then fail the first push instead of /init_communicator. In a
+    thread, because the connect waits for every rank: workers that failed before connecting say why in their answer,
+    and the thread is then left behind (a daemon). gloo (CPU) connected as the group was built."""
+    import threading
+
+    import torch
+
+    if device.type != "cuda":
+        return read_answers()
+    failed = []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def connect():
+        try:
+            pg.eager_connect_single_device(torch.device("cuda", index))
+        except Exception as e:  # raised by the caller's thread, below
+            failed.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    answers = read_answers()
+    if all(a.get("status") == "ok" for a in answers):
+        thread.join(timeout_s)
+        if thread.is_alive() or failed:
+            pg.abort()
+            raise RuntimeError(f"NCCL's communicator did not connect: {failed[0] if failed else 'timed out'}")
+    return answers
+
+
 def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -> dict:
     """One collective group with the workers of all servers, this learner as rank 0, outside torch.distributed's
     default group (NCCL on CUDA, gloo on CPU). Each server answers in two lines: "joining", then "ok"."""
@@ -441,8 +473,8 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
             for url, a in zip(urls, answers, strict=True)
         ]
         raise RuntimeError(f"the servers' workers did not join this learner's group at {host}:{port}: {why}") from e
-    for url, answer in zip(urls, answers, strict=True):
-        done = next(answer)
+    dones = connect_nccl(pg, device, lambda: [next(answer) for answer in answers], wait_s)  # (NCCL: and connect)
+    for url, done in zip(urls, dones, strict=True):
         if done["status"] != "ok":
             raise RuntimeError(f"{url}/init_communicator failed (this learner's group at {host}:{port}): {done}")
     return {"urls": urls, "pg": pg, "store": store, "dtype": dtypes.pop(), "device": device, "timeout_s": wait_s}
@@ -533,6 +565,11 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no dropout, no shuffling)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise SystemExit(
+            f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this learner computes in bf16 "
+            "autocast"
+        )
     print(
         f"training on {device}"
         + (

@@ -566,6 +566,38 @@ def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
             raise RuntimeError(f"{what} failed: {work.exception()}")
 
 
+def connect_nccl(pg, device, read_answers, timeout_s: float) -> list[dict]:
+    """Connect NCCL's communicator of `pg` (rank 0's end) now, while the servers' workers connect theirs, and return
+    read_answers() (the servers' second lines). torch would connect at the first collective: a bad NCCL set-up (no
+    route between the GPUs, a missing library) would then fail the first push instead of /init_communicator. In a
+    thread, because the connect waits for every rank: workers that failed before connecting say why in their answer,
+    and the thread is then left behind (a daemon). gloo (CPU) connected as the group was built."""
+    import threading
+
+    import torch
+
+    if device.type != "cuda":
+        return read_answers()
+    failed = []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def connect():
+        try:
+            pg.eager_connect_single_device(torch.device("cuda", index))
+        except Exception as e:  # raised by the caller's thread, below
+            failed.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    answers = read_answers()
+    if all(a.get("status") == "ok" for a in answers):
+        thread.join(timeout_s)
+        if thread.is_alive() or failed:
+            pg.abort()
+            raise RuntimeError(f"NCCL's communicator did not connect: {failed[0] if failed else 'timed out'}")
+    return answers
+
+
 def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
     """Join a collective group with the server's workers, as rank 0, outside torch.distributed's default
     group (NCCL on CUDA, gloo on CPU). The server answers in two lines: "joining", then "ok"."""
@@ -605,7 +637,7 @@ def init_weight_sync(url: str, device, sync_host: Optional[str] = None) -> dict:
             f"the workers of {url} did not join this trainer's group at {host}:{port}: "
             f"{next(answer, {}).get('error', e)}"
         ) from e
-    done = next(answer)
+    done = connect_nccl(pg, device, lambda: [next(answer)], wait_s)[0]  # (NCCL: the workers connect now, and we)
     if done["status"] != "ok":
         raise RuntimeError(f"{url}/init_communicator failed (this trainer's group at {host}:{port}): {done}")
     return {"url": url, "pg": pg, "store": store, "dtype": info["dtype"], "device": device, "timeout_s": wait_s}
@@ -743,6 +775,10 @@ if __name__ == "__main__":
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.param_dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise SystemExit(  # every rank, before the group: the GPUs of one node are alike
+                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): use --param-dtype float32"
+            )
     # torchrun sets MASTER_ADDR; plain `python` gets a group of one (FSDP2 wants a group even then)
     alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     backend = "nccl" if device.type == "cuda" else "gloo"

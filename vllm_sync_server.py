@@ -346,6 +346,9 @@ class WeightSyncWorker:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            # NCCL's communicator, connected now (torch would wait for the first collective) while the trainer
+            # connects its end: a bad NCCL set-up fails /init_communicator, not the first push
+            pg.eager_connect_single_device(self.device)
         else:
             pg = cpu_gloo_group(store, rank, world_size, timeout, connections)
         self._sync_pg = pg
@@ -406,6 +409,7 @@ class WeightSyncWorker:
         packed = getattr(model, "packed_modules_mapping", {})
         tp = self.vllm_config.parallel_config.tensor_parallel_size
         targets = {}
+        replicas = {}  # the k and v parts of a worker's qkv_proj when TP > KV heads: a head on several workers
         with torch.no_grad():
             for mod_name, module in model.named_modules():
                 if self.device.type == "cpu" and hasattr(module, "cpu_linear") and module.weight.ndim <= 2:
@@ -421,6 +425,10 @@ class WeightSyncWorker:
                     if not all(part in hf_shapes for part in parts):
                         continue  # not a checkpoint tensor (e.g. a rotary cache)
                     sizes = [hf_shapes[part][0] // shard for part in parts]
+                    if len(getattr(module, "output_sizes", [])) == len(parts):  # vLLM's own split: with TP > KV heads
+                        sizes = [n // tp for n in module.output_sizes]  # a worker holds one whole KV head (linear.py)
+                        if getattr(module, "num_kv_head_replicas", 1) > 1:
+                            replicas.update((part, module.num_kv_head_replicas) for part in parts[1:])
                     if len(parts) == 1 and sizes[0] > len(t):  # a TP slice of a vocabulary: all its rows (the
                         sizes = [len(t)]  # checksum gathers the slices and cuts the padding)
                     if sum(sizes) <= len(t):  # (an embedding may have padding rows; a TP shard of one has fewer)
@@ -428,6 +436,7 @@ class WeightSyncWorker:
         if "lm_head.weight" not in targets and "model.embed_tokens.weight" in targets:
             targets["lm_head.weight"] = targets["model.embed_tokens.weight"]  # tied
         self._sync_targets = targets
+        self._sync_replicas = replicas
         if files is not None:  # (at start, while the weights are still the checkpoint's)
             self._sync_exact = loaded_unchanged(files, targets, len(hf_shapes))
         return hf_shapes, dict(packed)
@@ -489,6 +498,7 @@ class WeightSyncWorker:
             self.sync_reload(arriving)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # report "done" only when it is
+            torch.cuda.empty_cache()  # the receive buffers' blocks go back to the GPU (a trainer may share it)
 
     def sync_receive(self, params: list[dict], direct: bool, deadline: float):
         """Yield (name, tensor) in order, each once its broadcast is done, while later ones travel. Direct: all are
@@ -591,7 +601,10 @@ class WeightSyncWorker:
             if tp > 1 and list(t.shape) != full:
                 dim = next(d for d, (a, b) in enumerate(zip(t.shape, full, strict=True)) if a != b)
                 # over vLLM's own TP group: every worker runs this RPC and walks the same names in the same order
-                t = tensor_model_parallel_all_gather(t.contiguous(), dim=dim).narrow(dim, 0, full[dim])
+                t = tensor_model_parallel_all_gather(t.contiguous(), dim=dim)
+                if name in self._sync_replicas:  # workers r * k .. r * k + r - 1 hold KV head k: keep one copy
+                    t = t.view(tp, -1, *t.shape[1:])[:: self._sync_replicas[name]].reshape(full)  # (rows: dim 0)
+                t = t.narrow(dim, 0, full[dim])
             sums[name] = hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
         return sums
 
@@ -780,24 +793,37 @@ def asleep_problem(state: ServerState, need: str) -> Optional[str]:
     return None
 
 
+def hold_mode(asleep: list, busy: bool) -> Literal["asleep", "pause", "gate"]:
+    """How engine_held holds the engine for a weight update. `asleep`: what vLLM released in /sleep; `busy`: requests
+    in flight (ours or vLLM's /v1). "asleep" whenever anything sleeps, requests queued or not: vLLM's sleep already
+    paused its scheduler, and its wake_up resumes it only once nothing sleeps (vllm/v1/engine/core.py, wake_up). Our
+    pause and resume would undo that: resume_scheduler unpauses unconditionally, and the next step would run on a KV
+    cache that is not mapped. "pause": vLLM's pause ("keep"). "gate": nothing in flight, /generate holds new ones."""
+    if asleep:
+        return "asleep"
+    return "pause" if busy else "gate"
+
+
 @asynccontextmanager
 async def engine_held(state: ServerState):
-    """Hold the engine while new weights go in; yields whether requests were in flight. Requests in flight (ours or
-    vLLM's /v1): vLLM's pause ("keep": queued, KV cleared, recomputed with the new weights on resume). None: /generate
-    holds new ones at its gate, the RPC runs in the engine's loop between steps, and the prefix cache goes after."""
+    """Hold the engine while new weights go in; yields whether vLLM's pause ran (hold_mode). Requests in flight (ours
+    or vLLM's /v1): vLLM's pause ("keep": queued, KV cleared, recomputed with the new weights on resume). None:
+    /generate holds new ones at its gate, the RPC runs in the engine's loop between steps. Asleep (a push between
+    /wake_up of the weights and of the KV cache): vLLM's own pause holds the engine, queued /v1 requests start at the
+    full wake-up, with the new weights. The prefix cache goes after, unless the pause cleared it."""
     engine = state.engine
-    idle = state.generating == 0 and engine.get_num_unfinished_requests() == 0
-    if idle:
+    mode = hold_mode(state.asleep, state.generating > 0 or engine.get_num_unfinished_requests() > 0)
+    if mode == "gate":
         state.gate.clear()
-    else:
+    elif mode == "pause":
         await engine.pause_generation(mode="keep", clear_cache=True)
     try:
-        yield not idle
+        yield mode == "pause"
     finally:
-        if idle:
-            await engine.reset_prefix_cache()  # the cached KV of a prompt prefix came from the old weights
-        elif not state.held:  # a /pause before the update still holds: /resume ends it
+        if mode == "pause" and not state.held:  # a /pause before the update still holds: /resume ends it
             await engine.resume_generation()
+        else:  # the cached KV of a prompt prefix came from the old weights (asleep: only the block table's hashes)
+            await engine.reset_prefix_cache()
         state.gate.set()
 
 
@@ -1112,6 +1138,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
 
     @app.post("/pause")
     async def pause():
+        if (problem := asleep_problem(state, "")) is not None:  # sleep holds it already; wake_up ends that hold
+            raise HTTPException(409, problem)
         # vLLM's "keep": requests in flight stay queued in the engine, their KV cleared; /generate still takes new
         # ones, queued too. A weight update while held leaves it held, and /resume recomputes them with the new weights
         async with state.lock:  # never in the middle of a weight update
@@ -1121,6 +1149,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
 
     @app.post("/resume")
     async def resume():
+        if (problem := asleep_problem(state, "")) is not None:  # resuming would step onto unmapped KV memory
+            raise HTTPException(409, problem)
         async with state.lock:
             await state.engine.resume_generation()
             state.held = False

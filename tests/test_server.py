@@ -3,6 +3,7 @@
 One server (started with --api-key, so every call below but /health carries the key) serves all tests of
 this module, in order; each test leaves it healthy for the next."""
 
+import json
 import os
 import re
 import socket
@@ -352,6 +353,31 @@ def test_a_request_sent_during_a_push_into_an_idle_engine_waits_for_the_new_weig
     assert_checksums(server, state_dict_with_tied(hf_model))
     expected = hf_logprobs(hf_model, prompt[0], comp["token_ids"])  # the prefix was computed again: new weights
     assert torch.allclose(torch.tensor(comp["logprobs"]), expected, atol=2e-4), (comp["logprobs"], expected)
+
+
+def test_a_v1_request_in_flight_during_a_push_is_paused_and_finishes(server, hf_model):
+    """A request of vLLM's own /v1 routes is in flight for a push as one of /generate is: the push pauses the engine
+    and resumes it (hold_mode "pause"), and the request runs to its end. (With anything asleep a push takes neither
+    the pause nor the resume, hold_mode "asleep": vLLM's sleep mode needs a GPU, so on CPU that decision is tested
+    alone, in tests/test_gpupath.py.) Streamed, so that its first token shows it is in the engine; should a loaded
+    machine let it end before the push, the attempt is repeated, at most 3 times."""
+    client = SyncClient(server, api_key=KEY)
+    client.init()
+    params = {k: v.detach() for k, v in hf_model.named_parameters()}  # the server's weights: nothing changes
+    body = {"model": SERVED, "prompt": [7, 8, 9], "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with requests.post(server + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=600) as r:
+            assert r.status_code == 200, r.text
+            events = (line.removeprefix(b"data: ") for line in r.iter_lines() if line)
+            next(events)  # a first token: the request is in the engine
+            done = client.push(params)
+            chunks = [json.loads(e) for e in events if e != b"[DONE]"]
+        assert done["status"] == "ok", done
+        if done["paused"]:
+            break
+    assert done["paused"], f"the /v1 request ended before the push in 3 attempts: {done}"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # paused and resumed, not dropped
+    assert_logprobs_match(server, hf_model)  # the engine computes after the resume as before
 
 
 def test_bad_metadata_is_refused_before_any_collective(server, hf_model):
