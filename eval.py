@@ -90,7 +90,8 @@ class Args:
     vllm_port: int = 8000
     """port of vllm_sync_server.py"""
     start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit"""
+    """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit (on SIGTERM and
+    SIGINT too)"""
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""

@@ -127,7 +127,7 @@ class Args:
     """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
     its connection to the server)"""
     start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
+    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit (SIGTERM, SIGINT too)"""
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
     server_args: str = "--dtype bfloat16"
