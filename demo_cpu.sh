@@ -15,7 +15,7 @@ PY="$ROOT/$VENV/bin/python"
 OUT=${DEMO_DIR:-$ROOT/demo_cpu}
 bash tests/setup_cpu.sh --no-redis  # (the demo needs no Redis)
 mkdir -p "$OUT"
-rm -f "$OUT/rollouts.jsonl" "$OUT/train.log"
+rm -rf "$OUT/rollouts.jsonl" "$OUT/train.log" "$OUT/checkpoints"  # a fresh run: the script refuses an earlier one's files
 "$PY" tests/tiny_model.py "$OUT/toy_model" --toy >/dev/null
 cd "$OUT"  # the script writes its server log here
 start=$SECONDS

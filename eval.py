@@ -29,6 +29,7 @@ The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate
 """
 
 import atexit
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests
@@ -52,7 +53,8 @@ import requests
 class Args:
     # Experiment
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    """Hugging Face model id or local directory (a grpo_gsm8k.py checkpoint works); the server must serve it"""
+    """Hugging Face model id or local directory (a training script's checkpoint works: its system prompt is then the
+    one it trained with); the server must serve it"""
     task: Literal["gsm8k", "math500"] = "gsm8k"
     """benchmark: GSM8K (gold: the number after ####) or MATH-500 (gold: the answer, or a solution's last box)"""
     dataset: Optional[str] = None
@@ -63,7 +65,8 @@ class Args:
     limit: int = 250
     """evaluate the first `limit` problems of the split (0: all of them)"""
     system_prompt: str = ""
-    """system prompt ("" for none; a chat template may then insert its own default, as Qwen2.5's does)"""
+    """system prompt ("" for none; a chat template may then insert its own default, as Qwen2.5's does); default for a
+    checkpoint of a training script: the one it trained with (its args.json)"""
     strict_format: bool = False
     """credit only `<think>...</think>` followed by a \\boxed{} answer after </think>"""
     out: Optional[str] = None
@@ -87,7 +90,8 @@ class Args:
     vllm_port: int = 8000
     """port of vllm_sync_server.py"""
     start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit"""
+    """launch vllm_sync_server.py (on GPU --vllm-gpu) with --model, wait for it, stop it at exit (on SIGTERM and
+    SIGINT too)"""
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""
@@ -510,10 +514,25 @@ def start_vllm_server(args: Args, log_path: str):
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop_server() -> None:
+        """SIGTERM to the server's process group (the engine and its workers too), SIGKILL to what is left of it after
+        30 s."""
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # its process group: the engine and its workers too
+            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # the group is gone: nothing left
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop_server_on_signal(signum, frame) -> None:
+        """SIGTERM (kill, timeout, a cluster's preemption) and SIGINT (Ctrl-C) reach this process alone (the server
+        has its own session), and Python runs no atexit handler on SIGTERM (a KeyboardInterrupt's may wait for
+        threads first): stop the server now, then end as the signal would."""
+        stop_server()
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
 
     atexit.register(stop_server)
+    signal.signal(signal.SIGINT, stop_server_on_signal)
+    signal.signal(signal.SIGTERM, stop_server_on_signal)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     for _ in range(1200):
         if proc.poll() is not None:
@@ -524,6 +543,34 @@ def start_vllm_server(args: Args, log_path: str):
         except requests.RequestException:
             time.sleep(0.5)
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+
+
+def saved_args(path: str) -> dict:
+    """The arguments a training script saved with the checkpoint at `path` (its args.json), those that are flags of
+    this script, tuples restored from JSON's lists; {} when the checkpoint has none."""
+    file = os.path.join(path, "args.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        saved = json.load(f)
+    defaults = Args()
+    known = {f.name for f in fields(Args)}
+    return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
+
+
+def parse_args() -> Args:
+    """The command line. When --model is a checkpoint of a training script, the system prompt it trained with (saved
+    in its args.json) is the default: the evaluation scores what the training scored, and --system-prompt given
+    explicitly overrides it (tyro fills every flag not on the command line from `default`)."""
+    import tyro
+
+    args = tyro.cli(Args, description=__doc__)
+    saved = saved_args(args.model) if os.path.isdir(args.model) else {}
+    if "system_prompt" in saved:
+        args = tyro.cli(Args, description=__doc__, default=Args(system_prompt=saved["system_prompt"]))
+        how = "its own" if args.system_prompt == saved["system_prompt"] else "the one --system-prompt gives"
+        print(f"{args.model} trained with system prompt {saved['system_prompt']!r}: evaluating with {how}", flush=True)
+    return args
 
 
 DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
@@ -543,9 +590,7 @@ def load_split(dataset: str, split: str, task: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import tyro
-
-    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
+    args = parse_args()  # before the heavy imports: --help is instant
     if args.n > 1 and args.temperature == 0:
         raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
     if args.base_url and args.start_server:

@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests
@@ -126,7 +127,7 @@ class Args:
     """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
     its connection to the server)"""
     start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit"""
+    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit (SIGTERM, SIGINT too)"""
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
     server_args: str = "--dtype bfloat16"
@@ -177,13 +178,18 @@ class Args:
     logger: str = "print"
     """comma-separated: print, rich, wandb (W&B reads WANDB_* variables)"""
     rollout_log: str = "gsm8k_train_rollouts.jsonl"
-    """JSONL file receiving every training rollout"""
+    """JSONL file receiving every training rollout (its folder is created; an existing file is refused unless
+    --resume, which appends)"""
     checkpoint_dir: str = "checkpoints_gsm8k"
     """where checkpoints go (Hugging Face format + trainer state)"""
     save_every: int = 50
     """save a checkpoint every this many steps (and at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest this many checkpoints, deleting older ones after each save (0: keep all; the newest, at the
+    end the final one, always stays)"""
     resume: bool = False
-    """continue from the newest checkpoint in --checkpoint-dir"""
+    """continue from the newest checkpoint in --checkpoint-dir, with the arguments saved with it (a flag given again
+    overrides)"""
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
@@ -258,7 +264,8 @@ def policy_loss(
             ("kl_sum", kl if beta else None),
             ("tis_weight_sum", w if tis_cap is not None else None),
         ]:
-            stats[key] = stats.get(key, 0.0) + ((x.detach() * mask).sum().item() if x is not None else 0.0)
+            if x is not None:  # absent, not 0: the caller's fallback applies (no TIS: every weight is 1)
+                stats[key] = stats.get(key, 0.0) + (x.detach() * mask).sum().item()
     return loss
 
 
@@ -1070,10 +1077,25 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop_server() -> None:
+        """SIGTERM to the server's process group (the engine and its workers too), SIGKILL to what is left of it after
+        30 s."""
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # its process group: the engine and its workers too
+            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # the group is gone: nothing left
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop_server_on_signal(signum, frame) -> None:
+        """SIGTERM (kill, timeout, a cluster's preemption) and SIGINT (Ctrl-C) reach this process alone (the server
+        has its own session), and Python runs no atexit handler on SIGTERM (a KeyboardInterrupt's may wait for
+        threads first): stop the server now, then end as the signal would."""
+        stop_server()
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
 
     atexit.register(stop_server)
+    signal.signal(signal.SIGINT, stop_server_on_signal)
+    signal.signal(signal.SIGTERM, stop_server_on_signal)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     for _ in range(1200):
         if proc.poll() is not None:
@@ -1147,6 +1169,69 @@ def init_adamw_state(optimizer) -> None:
         state["step"].zero_()
 
 
+# The run's files: its checkpoints, the arguments saved with them, its rollout log
+def checkpoint_steps(checkpoint_dir: str) -> list[int]:
+    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+
+
+def saved_args(path: str) -> dict:
+    """The arguments a training script saved with the checkpoint at `path` (its args.json), those that are flags of
+    this script, tuples restored from JSON's lists; {} when the checkpoint has none."""
+    file = os.path.join(path, "args.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        saved = json.load(f)
+    defaults = Args()
+    known = {f.name for f in fields(Args)}
+    return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
+
+
+def parse_args() -> Args:
+    """The command line. With --resume and a checkpoint in --checkpoint-dir, the arguments saved with the newest one
+    are the defaults: the run goes on as it was started, and a flag given again overrides its saved value (tyro fills
+    every flag not on the command line from `default`)."""
+    import tyro
+
+    args = tyro.cli(Args, description=__doc__)
+    steps = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
+    if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
+        args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+    return args
+
+
+def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
+    """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
+    log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
+    appends to its rollout log. The rollout log's folder is created."""
+    if args.keep_checkpoints < 0:
+        raise SystemExit(f"--keep-checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
+    if not args.resume and checkpoint_steps(args.checkpoint_dir):
+        raise SystemExit(
+            f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints of another run: --resume to continue it, or "
+            "choose another --checkpoint-dir"
+        )
+    if rollout_log and not args.resume and os.path.exists(rollout_log):
+        raise SystemExit(
+            f"the rollout log {rollout_log} exists (another run's rollouts): --resume to continue that run, or choose "
+            "another --rollout-log, or move the file"
+        )
+    if rollout_log:
+        os.makedirs(os.path.dirname(os.path.abspath(rollout_log)), exist_ok=True)
+
+
+def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints (0: keep every one). Called right after a save, so the newest,
+    the one just written (at the end: the final one), always stays."""
+    steps = checkpoint_steps(checkpoint_dir)
+    for n in steps[:-keep] if keep else []:
+        shutil.rmtree(os.path.join(checkpoint_dir, f"step_{n}"))
+
+
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
@@ -1157,13 +1242,17 @@ def load_split(dataset: str, split: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import tyro
-
-    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
     if args.lora_sync == "adapter" and (not args.lora_rank or args.verify_sync):
         raise SystemExit("--lora-sync adapter needs --lora-rank, and pushes no weights for --verify-sync to check")
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
     import random
 
     import numpy as np
@@ -1245,12 +1334,7 @@ if __name__ == "__main__":
     version = 0  # the policy version the server holds (one per push)
     skipped = 0  # steps skipped for a non-finite loss or gradient
     data_pos = 0  # training prompts drawn so far (the data order and the sampling seeds follow it)
-    ckpts = (
-        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
-        if os.path.isdir(args.checkpoint_dir)
-        else []
-    )
-    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     if args.lora_rank:  # a frozen base in the dtype weights travel in (half of fp32's memory in bf16), fp32 adapters
         wire_dtype = getattr(
             torch, requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
@@ -1530,7 +1614,11 @@ if __name__ == "__main__":
                 if step == args.train_steps:
                     save_merged(lora, model, os.path.join(path, "merged"))
                     tokenizer.save_pretrained(os.path.join(path, "merged"))
+                    with open(os.path.join(path, "merged", "args.json"), "w") as f:  # eval.py reads the prompt
+                        json.dump(run_args, f, indent=1)
             tokenizer.save_pretrained(path)
+            with open(os.path.join(path, "args.json"), "w") as f:  # --resume and eval.py read them
+                json.dump(run_args, f, indent=1)
             torch.save(
                 {
                     "optimizer": optimizer.state_dict(),
@@ -1545,6 +1633,7 @@ if __name__ == "__main__":
                 },
                 os.path.join(path, "trainer_state.pt"),
             )
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     if progress is not None:
         progress.stop()
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)

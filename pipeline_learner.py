@@ -55,11 +55,12 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import time
 import urllib.parse
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 import requests  # torch and transformers are imported in main, after the arguments are parsed
@@ -125,13 +126,18 @@ class Args:
     logger: str = "print"
     """comma-separated: print, wandb (W&B reads WANDB_* variables)"""
     rollout_log: Optional[str] = "pipeline_rollouts.jsonl"
-    """JSONL file with one line per popped record: its id, status (trained, dropped, rejected), lag, reward"""
+    """JSONL file with one line per popped record: its id, status (trained, dropped, rejected), lag, reward (its
+    folder is created; an existing file is refused unless --resume, which appends)"""
     checkpoint_dir: str = "checkpoints_pipeline"
     """where checkpoints go (Hugging Face format + trainer state)"""
     save_every: int = 50
     """save a checkpoint every this many steps (and at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest this many checkpoints, deleting older ones after each save (0: keep all; the newest, at the
+    end the final one, always stays)"""
     resume: bool = False
-    """continue from the newest checkpoint in --checkpoint-dir (its weights are pushed first)"""
+    """continue from the newest checkpoint in --checkpoint-dir (its weights are pushed first), with the arguments saved
+    with it (a flag given again overrides)"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -554,10 +560,77 @@ def with_retries(what: str, where: str, fn):
             delay = min(2 * delay, 30.0)
 
 
-if __name__ == "__main__":
+# The run's files: its checkpoints, the arguments saved with them, its rollout log
+def checkpoint_steps(checkpoint_dir: str) -> list[int]:
+    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+
+
+def saved_args(path: str) -> dict:
+    """The arguments a training script saved with the checkpoint at `path` (its args.json), those that are flags of
+    this script, tuples restored from JSON's lists; {} when the checkpoint has none."""
+    file = os.path.join(path, "args.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        saved = json.load(f)
+    defaults = Args()
+    known = {f.name for f in fields(Args)}
+    return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
+
+
+def parse_args() -> Args:
+    """The command line. With --resume and a checkpoint in --checkpoint-dir, the arguments saved with the newest one
+    are the defaults: the run goes on as it was started, and a flag given again overrides its saved value (tyro fills
+    every flag not on the command line from `default`)."""
     import tyro
 
-    args = tyro.cli(Args, description=__doc__)  # before the heavy imports: --help is instant
+    args = tyro.cli(Args, description=__doc__)
+    steps = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
+    if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
+        args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+    return args
+
+
+def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
+    """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
+    log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
+    appends to its rollout log. The rollout log's folder is created."""
+    if args.keep_checkpoints < 0:
+        raise SystemExit(f"--keep-checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
+    if not args.resume and checkpoint_steps(args.checkpoint_dir):
+        raise SystemExit(
+            f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints of another run: --resume to continue it, or "
+            "choose another --checkpoint-dir"
+        )
+    if rollout_log and not args.resume and os.path.exists(rollout_log):
+        raise SystemExit(
+            f"the rollout log {rollout_log} exists (another run's rollouts): --resume to continue that run, or choose "
+            "another --rollout-log, or move the file"
+        )
+    if rollout_log:
+        os.makedirs(os.path.dirname(os.path.abspath(rollout_log)), exist_ok=True)
+
+
+def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints (0: keep every one). Called right after a save, so the newest,
+    the one just written (at the end: the final one), always stays."""
+    steps = checkpoint_steps(checkpoint_dir)
+    for n in steps[:-keep] if keep else []:
+        shutil.rmtree(os.path.join(checkpoint_dir, f"step_{n}"))
+
+
+if __name__ == "__main__":
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = dataclasses.asdict(args)  # saved with every checkpoint
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
 
     import redis
     import torch
@@ -600,12 +673,7 @@ if __name__ == "__main__":
     step = 0  # optimizer steps taken
     version = 0  # the policy version the servers hold (one per push)
     counts = Counter()  # trained, dropped, rejected records since the start of the run
-    ckpts = (
-        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
-        if os.path.isdir(args.checkpoint_dir)
-        else []
-    )
-    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if args.resume and ckpts else args.model
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     tokenizer = AutoTokenizer.from_pretrained(load_from)
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
     model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
@@ -795,6 +863,8 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
             tokenizer.save_pretrained(path)
+            with open(os.path.join(path, "args.json"), "w") as f:  # --resume reads them
+                json.dump(run_args, f, indent=1)
             torch.save(
                 {
                     "optimizer": optimizer.state_dict(),
@@ -805,4 +875,5 @@ if __name__ == "__main__":
                 },
                 os.path.join(path, "trainer_state.pt"),
             )
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)

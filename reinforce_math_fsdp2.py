@@ -30,12 +30,13 @@ import math
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests
@@ -142,13 +143,18 @@ class Args:
     rank0_only_output: bool = False
     """silence stdout of every rank but 0"""
     rollout_log: str = "fsdp2_math_rollouts.rank{RANK}.jsonl"
-    """JSONL file per rank receiving its training rollouts ({RANK} is replaced)"""
+    """JSONL file per rank receiving its training rollouts ({RANK} is replaced; its folder is created; an existing file
+    is refused unless --resume, which appends)"""
     checkpoint_dir: str = "checkpoints_math_fsdp2"
     """where checkpoints go: step_N/ (Hugging Face format, by rank 0) + step_N/trainer/ (sharded state)"""
     save_every: int = 10
     """save a checkpoint every this many steps (and at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest this many checkpoints, deleting older ones after each save (0: keep all; the newest, at the
+    end the final one, always stays)"""
     resume: bool = False
-    """continue from the newest checkpoint in --checkpoint-dir"""
+    """continue from the newest checkpoint in --checkpoint-dir, with the arguments saved with it (a flag given again
+    overrides); on the world size that wrote it"""
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
@@ -737,19 +743,81 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, split=split))
 
 
+# The run's files: its checkpoints, the arguments saved with them, its rollout log
+def checkpoint_steps(checkpoint_dir: str) -> list[int]:
+    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+
+
+def saved_args(path: str) -> dict:
+    """The arguments a training script saved with the checkpoint at `path` (its args.json), those that are flags of
+    this script, tuples restored from JSON's lists; {} when the checkpoint has none."""
+    file = os.path.join(path, "args.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        saved = json.load(f)
+    defaults = Args()
+    known = {f.name for f in fields(Args)}
+    return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
+
+
+def parse_args() -> Args:
+    """The command line. With --resume and a checkpoint in --checkpoint-dir, the arguments saved with the newest one
+    are the defaults: the run goes on as it was started, and a flag given again overrides its saved value (tyro fills
+    every flag not on the command line from `default`)."""
+    import tyro
+
+    args = tyro.cli(Args, description=__doc__)
+    steps = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
+    if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
+        args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+    return args
+
+
+def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
+    """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
+    log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
+    appends to its rollout log. The rollout log's folder is created."""
+    if args.keep_checkpoints < 0:
+        raise SystemExit(f"--keep-checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
+    if not args.resume and checkpoint_steps(args.checkpoint_dir):
+        raise SystemExit(
+            f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints of another run: --resume to continue it, or "
+            "choose another --checkpoint-dir"
+        )
+    if rollout_log and not args.resume and os.path.exists(rollout_log):
+        raise SystemExit(
+            f"the rollout log {rollout_log} exists (another run's rollouts): --resume to continue that run, or choose "
+            "another --rollout-log, or move the file"
+        )
+    if rollout_log:
+        os.makedirs(os.path.dirname(os.path.abspath(rollout_log)), exist_ok=True)
+
+
+def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints (0: keep every one). Called right after a save, so the newest,
+    the one just written (at the end: the final one), always stays."""
+    steps = checkpoint_steps(checkpoint_dir)
+    for n in steps[:-keep] if keep else []:
+        shutil.rmtree(os.path.join(checkpoint_dir, f"step_{n}"))
+
+
 if __name__ == "__main__":
     import contextlib
 
-    import tyro
-
     rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     if rank == 0:
-        args = tyro.cli(Args, description=__doc__)  # before importing torch: --help is instant
+        args = parse_args()  # before importing torch: --help is instant
     else:  # under torchrun only rank 0 prints --help or a flag error; the others exit quietly, and on an
         # error a moment later, so that torchrun does not kill rank 0 before it has printed
         with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
             try:
-                args = tyro.cli(Args, description=__doc__)
+                args = parse_args()
             except SystemExit as e:
                 time.sleep(5 if e.code else 0)
                 raise
@@ -758,6 +826,28 @@ if __name__ == "__main__":
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    run_args = asdict(args)  # saved with every checkpoint
+    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        if rank == 0:
+            print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    try:
+        check_run_files(args, args.rollout_log.replace("{RANK}", str(rank)))
+        # DCP would reshard the model and optimizer state, but not the rest of it: each rank's data share, RNG
+        # streams and rollout log belong to its RANK
+        saved_ranks = world_size
+        if ckpts:
+            trainer_dir = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}", "trainer")
+            saved_ranks = len([f for f in os.listdir(trainer_dir) if re.fullmatch(r"rank\d+\.pt", f)])
+        if saved_ranks != world_size:
+            raise SystemExit(
+                f"step_{ckpts[-1]} in {args.checkpoint_dir} was written by {saved_ranks} ranks: resume it on "
+                f"{saved_ranks} (--nproc-per-node x nodes), not {world_size}"
+            )
+    except SystemExit:
+        time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
+        raise
     import logging
     import random
 
@@ -770,7 +860,6 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this rank's place on its node: its GPU
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -844,12 +933,7 @@ if __name__ == "__main__":
     step = 0  # optimizer steps taken
     version = 0  # the policy version the server holds (one per push)
     data_pos = 0  # training prompts drawn so far, all ranks together (the data order and the seeds follow it)
-    ckpts = (
-        sorted(int(d[5:]) for d in os.listdir(args.checkpoint_dir) if re.fullmatch(r"step_\d+", d))
-        if os.path.isdir(args.checkpoint_dir)
-        else []
-    )
-    if args.resume and ckpts:  # the sharded model and optimizer state: each rank reads its own shards
+    if ckpts:  # the sharded model and optimizer state: each rank reads its own shards
         path = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}")
         msd, osd = get_state_dict(model, optimizer)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
@@ -1064,6 +1148,8 @@ if __name__ == "__main__":
             if rank == 0:
                 model.config.save_pretrained(path)  # (these two create the directory)
                 tokenizer.save_pretrained(path)
+                with open(os.path.join(path, "args.json"), "w") as f:  # --resume and eval.py read them
+                    json.dump(run_args, f, indent=1)
                 if model.config.tie_word_embeddings:
                     sd.pop("lm_head.weight", None)
                 save_file(
@@ -1086,6 +1172,9 @@ if __name__ == "__main__":
                 os.path.join(path, "trainer", f"rank{rank}.pt"),
             )
             log.info("saved %s", path)
+            dist.barrier()  # every rank has written its part of the new checkpoint before an older one is deleted
+            if rank == 0:
+                prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
     dist.barrier()  # a rare abort at exit was seen without it
     dist.destroy_process_group()

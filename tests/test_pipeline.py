@@ -361,6 +361,14 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
         assert [x["version"] for x in m] == [str(versions[-1] + 2)] and server_matches(
             url, tmp_path / "ckpt" / "step_4"
         )
+        # the run is at its last step: --resume, retyping nothing (args.json), has nothing to do; a new run is refused
+        # the rollout log of this one
+        learner_path = os.path.join(ROOT, LEARNER)
+        r = run_ok([PY, learner_path, "--resume", "--checkpoint-dir", "ckpt"], cwd=tmp_path, timeout=120)
+        assert "nothing to do" in r.stdout
+        cmd = [PY, learner_path, "--checkpoint-dir", "new", "--rollout-log", "rollouts.jsonl"]
+        r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "rollouts.jsonl exists" in r.stderr, r.stderr[-2000:]
     finally:
         stop.set()
         kill_actor(actor)

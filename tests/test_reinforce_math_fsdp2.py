@@ -3,6 +3,7 @@ script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real v
 MATH-schema problems whose answer is always 7). A copy of the script is tested by changing SCRIPT."""
 
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -349,6 +350,22 @@ def test_resume_continues_from_the_sharded_state(toy, fsdp_run):
     assert set(os.listdir(path / CKPT)) == {"step_1", "step_2", "step_3"}
     seeds = [x["seed"] for rank in (0, 1) for x in rollout_log(path, rank)]
     assert len(seeds) == 3 * 2 * 4 * 8 and len(set(seeds)) == len(seeds)
+
+
+def test_resume_says_at_start_what_it_will_not_do(fsdp_run):
+    """The 2-rank run's newest checkpoint holds the run's arguments (args.json). Resumed retyping nothing it has
+    nothing to do (exit 0); resumed for more steps in one process it is refused at start: the sharded state would
+    reshard, but each rank's data share, random streams and rollout log belong to its rank."""
+    path = fsdp_run.path
+    newest = max(os.listdir(path / CKPT), key=lambda d: int(d[5:]))
+    saved = json.loads((path / CKPT / newest / "args.json").read_text())
+    assert saved["rollouts_per_update"] == 4 and saved["train_steps"] == int(newest[5:])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}  # plain python: one process
+    cmd = [PY, os.path.join(ROOT, SCRIPT), "--resume"]
+    r = subprocess.run(cmd, cwd=path, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    r = subprocess.run([*cmd, "--train-steps", "9"], cwd=path, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "written by 2 ranks" in r.stderr, r.stderr[-2000:]
 
 
 def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
