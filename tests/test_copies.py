@@ -13,6 +13,7 @@ from conftest import ROOT
 SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pipeline_learner.py", "eval.py"]
 
 GSM8K = ("grpo_gsm8k.py", "pipeline_actor.py")  # the two that grade GSM8K the same way
+TRAINERS = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py")
 DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies must still be identical)
     "Args": ("each script's own flags", []),
     "Sample": ("what each script keeps of a completion", []),
@@ -28,6 +29,10 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "policy_loss": ("GRPO's clipped loss, or the pipeline's off-policy corrections", []),
     "verify_weights": ("one server, or several", []),
     "start_vllm_server": ("a trainer's server sleeps and syncs; eval's only generates", []),
+    "parse_args": (
+        "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
+        [TRAINERS],
+    ),
 }
 
 
