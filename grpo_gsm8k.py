@@ -414,8 +414,43 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
 ]
 
 
+def drop_redundant_braces(s: str) -> str:
+    """`{{5}}` -> `5`, `x^{{2}}` -> `x^{2}`: a brace group that holds nothing but another group, and a group around
+    the whole answer, change nothing in TeX, and dozens of levels of them would use up math-verify's CPU time.
+    Escaped braces (`\\{1, 2\\}`, a set) are not groups and stay; unbalanced braces come back as they are."""
+    closing = {}  # index of each group's `{` -> index of its `}`
+    opened = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2  # a command or an escaped character (`\\{`, `\\}`, `\\\\`): never a group's brace
+            continue
+        if s[i] == "{":
+            opened.append(i)
+        elif s[i] == "}":
+            if not opened:
+                return s
+            closing[opened.pop()] = i
+        i += 1
+    if opened:
+        return s
+    drop = set()
+    for start, end in closing.items():
+        inner = s[start + 1 : end]
+        first = start + 1 + len(inner) - len(inner.lstrip())  # the group's first and last non-space characters
+        last = end - 1 - (len(inner) - len(inner.rstrip()))
+        if closing.get(first) == last:  # `{ {...} }`: the inner group is redundant
+            drop.update((first, last))
+    first = len(s) - len(s.lstrip())
+    if closing.get(first) == len(s.rstrip()) - 1:  # a group around the whole answer
+        drop.update((first, len(s.rstrip()) - 1))
+    return "".join(ch for j, ch in enumerate(s) if j not in drop)
+
+
 def normalize_answer(s: str) -> str:
-    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    """Redundant braces, units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples
+    stay."""
+    s = drop_redundant_braces(s)
     for pattern, repl in SUBS:
         s = re.sub(pattern, repl, s.strip())
     for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
