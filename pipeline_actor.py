@@ -81,7 +81,7 @@ class Args:
     dataset: str = "openai/gsm8k"
     """Hugging Face dataset (config `main`), or a local directory with train.jsonl in its schema"""
     limit: Optional[int] = None
-    """use only the first `limit` training problems"""
+    """use only the first `limit` training problems (None: all)"""
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every conversation ("" for none)"""
     max_steps: Optional[int] = None
@@ -414,7 +414,11 @@ def load_split(dataset: str, split: str) -> list[dict]:
     import datasets
 
     if os.path.isdir(dataset):
-        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+        path = os.path.join(dataset, f"{split}.jsonl")
+        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
+            if not any(line.strip() for line in f):
+                return []
+        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
@@ -422,6 +426,8 @@ if __name__ == "__main__":
     import tyro
 
     args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
 
     import random
 
@@ -431,6 +437,8 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: data, Redis, servers
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
     train = load_split(args.dataset, "train")[: args.limit]
+    if not train:
+        raise SystemExit(f"no training problems: {args.dataset} holds none")
     rng = random.Random(f"{args.seed}/{actor_id}")  # each actor walks the data in its own order
     order = rng.sample(range(len(train)), len(train))
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password

@@ -173,11 +173,13 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None):
     """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
     "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
+    `data` and `eval_data`: the training and evaluation sets (default: the toy set for both, its overlap kept).
     Returns the launchers' stdout and stderr together, and the metrics (one dict per step)."""
-    data = os.path.join(FIXTURES, "math_toy")
+    toy_data = data is None
+    data = data or os.path.join(FIXTURES, "math_toy")
     launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
     if nodes > 1:
         rdzv = f"127.0.0.1:{free_port()}"
@@ -199,7 +201,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
         "--dataset",
         data,
         "--eval-dataset",
-        data,
+        eval_data or data,
         "--vllm-port",
         url.rsplit(":", 1)[1],
         "--max-completion-tokens",
@@ -219,6 +221,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
         "0",
         "--save-every",
         "1",
+        *(["--keep-eval-overlap"] if toy_data else []),  # the toy set's test problems are among its training problems
         *extra,
     ]
     os.makedirs(workdir, exist_ok=True)
