@@ -3,6 +3,7 @@ script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real v
 MATH-schema problems whose answer is always 7). A copy of the script is tested by changing SCRIPT."""
 
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -409,3 +410,33 @@ def test_logprobs_follow_the_train_temperature(toy, tmp_path):
         url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--train-temperature", "0.7", nproc=0
     )
     assert float(m[0]["logprob_mismatch"]) < 1e-4, m
+
+
+MATH500 = Path(ROOT).parent / "shared" / "data" / "math500_test.jsonl"  # the real MATH-500, beside the repository
+
+
+def test_never_trains_on_an_evaluation_problem(toy, tmp_path):
+    """The default --eval-dataset case on real data: a training set of 12 MATH-schema problems, 4 of them MATH-500's
+    (one re-spaced), evaluated on the real MATH-500. The run says it dropped 4, and its 2 steps of 4 prompts (one
+    process) trained on the 8 others, each once: no evaluation problem reached a rollout."""
+    if not MATH500.is_file():
+        pytest.skip(f"{MATH500} is absent: the real MATH-500 lives in ../shared/data beside the repository")
+    others = read_jsonl(os.path.join(FIXTURES, "math", "train.jsonl"))
+    copied = [
+        {"problem": r["problem"], "solution": r["solution"]} for r in read_jsonl(MATH500) if len(r["problem"]) < 100
+    ]
+    copied = copied[:4]
+    copied[0]["problem"] = copied[0]["problem"].replace(" ", "  ") + "\n"
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = others[:4] + copied + others[4:]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    evaluation = tmp_path / "math500"
+    evaluation.mkdir()
+    (evaluation / "test.jsonl").symlink_to(MATH500)
+    workdir = tmp_path / "run"
+    extra = ["--train-steps", "2", "--rollouts-per-update", "4"]
+    out, m = run(toy.url, toy.model, workdir, *extra, nproc=0, data=str(data), eval_data=str(evaluation))
+    assert f"training problems: 12 in {data}, 4 of them evaluation problems: dropped" in out and len(m) == 2
+    trained = [x["problem"] for x in rollout_log(workdir, 0)]
+    assert len(trained) == 2 * 4 * 8 and sorted(set(trained)) == sorted(r["problem"] for r in others)
