@@ -9,6 +9,7 @@ workers can too.
 """
 
 import importlib
+import inspect
 import json
 import multiprocessing
 import os
@@ -128,7 +129,7 @@ def test_extraction(module):
 def test_redundant_braces(module):
     """Groups that hold only another group, or the whole answer, go; escaped braces (sets), arguments and
     unbalanced input stay. 40 levels around a plain answer grade right within 1 CPU second (math-verify's parser on
-    the unstripped answer runs out of 5)."""
+    the unstripped answer runs out of 5). Every copy is the same code."""
     m = _load(module)
     deep = "{" * 40 + "5" + "}" * 40
     assert m.drop_redundant_braces(deep) == "5" and m.drop_redundant_braces("{ {5} }").strip() == "5"
@@ -139,6 +140,7 @@ def test_redundant_braces(module):
     _grade(module, r"\boxed{1}", "1")  # sympy's first parse outside the limit below
     g = m.grade(r"\boxed{" + deep + "}", "5", *GRADE_ARGS.get(module, ()), **GRADE_KW.get(module, {}), cpu_s=1.0)
     assert g == m.Grade(1.0, True, False)
+    assert inspect.getsource(m.drop_redundant_braces) == inspect.getsource(_load(MODULES[0]).drop_redundant_braces)
 
 
 # ---- grade_batch: CPU-time limit, wall-clock backstop, worker replacement, threads, load -----------
