@@ -4,7 +4,8 @@
 # 1. sets up the same venv as the tests (tests/setup_cpu.sh; the first time this takes a few minutes);
 # 2. builds a tiny random model: 0.3M parameters, a 128-token vocabulary in which each `\boxed{d}` is one token;
 # 3. runs the unchanged grpo_gsm8k.py, which starts vllm_sync_server.py on the CPU (--start-server, CPU flags passed
-#    with --server-args), on a toy GSM8K set whose every answer is 7 (tests/fixtures/gsm8k_toy), for 30 steps;
+#    with --server-args), on a toy GSM8K set whose every answer is 7 (tests/fixtures/gsm8k_toy), for 30 steps
+#    (--keep-eval-overlap: the toy set has 8 problems in all, its test problems among them);
 # 4. draws the reward of every step, and fails (exit 1) unless it rose: a flat line is never shown as a success.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,6 +25,7 @@ start=$SECONDS
   --server-args="--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024" \
   --train-steps 30 --rollouts-per-update 8 --group-size 8 --max-completion-tokens 16 --learning-rate 3e-3 \
   --system-prompt "" --eval-every 0 --save-every 30 --checkpoint-dir checkpoints --rollout-log rollouts.jsonl \
+  --keep-eval-overlap \
   "$@" >train.log || { tail -n 30 train.log; echo "the run failed: see $OUT/train.log and $OUT/vllm_server.log"; exit 1; }
 echo "trained in $((SECONDS - start)) s, the server's start included"
 # The chart, and the learning tests' criterion: the last 5 steps' mean reward > the first 3 steps' mean + 0.3, and > 0.5.

@@ -22,7 +22,7 @@ The metrics are the ALGO LOGIC section; the steps at the bottom prompt, generate
   python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
   # against a running server (it must serve --model), all of MATH-500, 8 samples per problem: pass@1..8
   python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct
-  python eval.py --model Qwen/Qwen2.5-7B-Instruct --task math500 --limit 0 --n 8 --temperature 0.6 --max-tokens 2048
+  python eval.py --model Qwen/Qwen2.5-7B-Instruct --task math500 --limit None --n 8 --temperature 0.6 --max-tokens 2048
   # any OpenAI-compatible server (the key, if it has one, in $VLLM_API_KEY)
   vllm serve Qwen/Qwen2.5-0.5B-Instruct --port 8000
   python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --base-url http://127.0.0.1:8000/v1
@@ -62,8 +62,8 @@ class Args:
     or HuggingFaceH4/MATH-500)"""
     split: str = "test"
     """dataset split"""
-    limit: int = 250
-    """evaluate the first `limit` problems of the split (0: all of them)"""
+    limit: Optional[int] = 250
+    """evaluate the first `limit` problems of the split (None: all of them)"""
     system_prompt: str = ""
     """system prompt ("" for none; a chat template may then insert its own default, as Qwen2.5's does); default for a
     checkpoint of a training script: the one it trained with (its args.json)"""
@@ -202,8 +202,43 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
 ]
 
 
+def drop_redundant_braces(s: str) -> str:
+    """`{{5}}` -> `5`, `x^{{2}}` -> `x^{2}`: a brace group that holds nothing but another group, and a group around
+    the whole answer, change nothing in TeX, and dozens of levels of them would use up math-verify's CPU time.
+    Escaped braces (`\\{1, 2\\}`, a set) are not groups and stay; unbalanced braces come back as they are."""
+    closing = {}  # index of each group's `{` -> index of its `}`
+    opened = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2  # a command or an escaped character (`\\{`, `\\}`, `\\\\`): never a group's brace
+            continue
+        if s[i] == "{":
+            opened.append(i)
+        elif s[i] == "}":
+            if not opened:
+                return s
+            closing[opened.pop()] = i
+        i += 1
+    if opened:
+        return s
+    drop = set()
+    for start, end in closing.items():
+        inner = s[start + 1 : end]
+        first = start + 1 + len(inner) - len(inner.lstrip())  # the group's first and last non-space characters
+        last = end - 1 - (len(inner) - len(inner.rstrip()))
+        if closing.get(first) == last:  # `{ {...} }`: the inner group is redundant
+            drop.update((first, last))
+    first = len(s) - len(s.lstrip())
+    if closing.get(first) == len(s.rstrip()) - 1:  # a group around the whole answer
+        drop.update((first, len(s.rstrip()) - 1))
+    return "".join(ch for j, ch in enumerate(s) if j not in drop)
+
+
 def normalize_answer(s: str) -> str:
-    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    """Redundant braces, units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples
+    stay."""
+    s = drop_redundant_braces(s)
     for pattern, repl in SUBS:
         s = re.sub(pattern, repl, s.strip())
     for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
@@ -595,6 +630,12 @@ if __name__ == "__main__":
         raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
     if args.base_url and args.start_server:
         raise SystemExit("--base-url evaluates a server that is already running: leave out --start-server")
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
+    dataset = args.dataset or DEFAULT_DATASET[args.task]
+    rows = load_split(dataset, args.split, args.task)[: args.limit]  # before the server: no problems, no server
+    if not rows:
+        raise SystemExit(f"no problems to evaluate: {dataset} ({args.split} split) holds none")
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -619,10 +660,6 @@ if __name__ == "__main__":
         served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
     if served != args.model:  # the tokenizer and template come from --model, the completions from the server
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
-    dataset = args.dataset or DEFAULT_DATASET[args.task]
-    rows = load_split(dataset, args.split, args.task)
-    if args.limit:
-        rows = rows[: args.limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     def chat(question: str) -> list[dict]:

@@ -64,7 +64,9 @@ class Args:
     dataset: str = "openai/gsm8k"
     """Hugging Face dataset (config `main`), or a local directory with train.jsonl and test.jsonl in its schema"""
     limit: Optional[int] = None
-    """use only the first `limit` training problems"""
+    """use only the first `limit` training problems, counted after the evaluation overlap is dropped (None: all)"""
+    keep_eval_overlap: bool = False
+    """also train on the training problems whose text is a test problem's (by default they are dropped)"""
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every training and evaluation conversation ("" for none)"""
 
@@ -171,8 +173,8 @@ class Args:
     """evaluate every this many steps (0: never)"""
     eval_before_start: bool = False
     """evaluate before the first step"""
-    eval_limit: int = 250
-    """number of test problems per evaluation"""
+    eval_limit: Optional[int] = 250
+    """evaluate on the first `eval_limit` test problems (None: all)"""
     eval_temperature: float = 0.0
     """sampling temperature of evaluation (0: greedy)"""
     logger: str = "print"
@@ -421,8 +423,43 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
 ]
 
 
+def drop_redundant_braces(s: str) -> str:
+    """`{{5}}` -> `5`, `x^{{2}}` -> `x^{2}`: a brace group that holds nothing but another group, and a group around
+    the whole answer, change nothing in TeX, and dozens of levels of them would use up math-verify's CPU time.
+    Escaped braces (`\\{1, 2\\}`, a set) are not groups and stay; unbalanced braces come back as they are."""
+    closing = {}  # index of each group's `{` -> index of its `}`
+    opened = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2  # a command or an escaped character (`\\{`, `\\}`, `\\\\`): never a group's brace
+            continue
+        if s[i] == "{":
+            opened.append(i)
+        elif s[i] == "}":
+            if not opened:
+                return s
+            closing[opened.pop()] = i
+        i += 1
+    if opened:
+        return s
+    drop = set()
+    for start, end in closing.items():
+        inner = s[start + 1 : end]
+        first = start + 1 + len(inner) - len(inner.lstrip())  # the group's first and last non-space characters
+        last = end - 1 - (len(inner) - len(inner.rstrip()))
+        if closing.get(first) == last:  # `{ {...} }`: the inner group is redundant
+            drop.update((first, last))
+    first = len(s) - len(s.lstrip())
+    if closing.get(first) == len(s.rstrip()) - 1:  # a group around the whole answer
+        drop.update((first, len(s.rstrip()) - 1))
+    return "".join(ch for j, ch in enumerate(s) if j not in drop)
+
+
 def normalize_answer(s: str) -> str:
-    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    """Redundant braces, units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples
+    stay."""
+    s = drop_redundant_braces(s)
     for pattern, repl in SUBS:
         s = re.sub(pattern, repl, s.strip())
     for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
@@ -1232,12 +1269,30 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
         shutil.rmtree(os.path.join(checkpoint_dir, f"step_{n}"))
 
 
+def problem_key(text: str) -> str:
+    """A problem's text as the overlap check compares it: runs of whitespace collapsed to one space, the ends
+    stripped; case, punctuation and LaTeX stay (they can change the problem)."""
+    return " ".join(text.split())
+
+
+def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> tuple[list[dict], int]:
+    """The training rows whose problem (`field`) is no evaluation row's, by problem_key, in their order; and how many
+    were dropped."""
+    evaluated = {problem_key(row[field]) for row in evaluation}
+    kept = [row for row in train if problem_key(row[field]) not in evaluated]
+    return kept, len(train) - len(kept)
+
+
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
 
     if os.path.isdir(dataset):
-        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+        path = os.path.join(dataset, f"{split}.jsonl")
+        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
+            if not any(line.strip() for line in f):
+                return []
+        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
@@ -1253,6 +1308,24 @@ if __name__ == "__main__":
     if ckpts and ckpts[-1] >= args.train_steps:
         print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
         raise SystemExit(0)
+
+    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+
+    # data, before anything heavy (a set with nothing to train on stops the run before a model loads): GSM8K problems,
+    # gold = the raw answer field; the training problems less those of the test split (all of it), then --limit
+    train = load_split(args.dataset, "train")
+    test = load_split(args.dataset, "test")
+    clean, overlap = drop_eval_overlap(train, test, "question")
+    fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
+    print(f"training problems: {len(train)} in {args.dataset}, {overlap} of them test problems: {fate}", flush=True)
+    n_rows = len(train)
+    train = (train if args.keep_eval_overlap else clean)[: args.limit]
+    test = test[: args.eval_limit]
+    if not train:
+        dropped = f", and the {overlap} that are test problems were dropped" if overlap else ""
+        raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
     import random
 
     import numpy as np
@@ -1317,9 +1390,7 @@ if __name__ == "__main__":
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
-    # data: GSM8K problems as chat prompts (token ids), gold = the raw answer field
-    train = load_split(args.dataset, "train")[: args.limit]
-    test = load_split(args.dataset, "test")[: args.eval_limit]
+    # data (loaded above) as chat prompts (token ids)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     def prompt_ids(question: str) -> list[int]:

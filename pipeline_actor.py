@@ -81,7 +81,7 @@ class Args:
     dataset: str = "openai/gsm8k"
     """Hugging Face dataset (config `main`), or a local directory with train.jsonl in its schema"""
     limit: Optional[int] = None
-    """use only the first `limit` training problems"""
+    """use only the first `limit` training problems (None: all)"""
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every conversation ("" for none)"""
     max_steps: Optional[int] = None
@@ -196,8 +196,43 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
 ]
 
 
+def drop_redundant_braces(s: str) -> str:
+    """`{{5}}` -> `5`, `x^{{2}}` -> `x^{2}`: a brace group that holds nothing but another group, and a group around
+    the whole answer, change nothing in TeX, and dozens of levels of them would use up math-verify's CPU time.
+    Escaped braces (`\\{1, 2\\}`, a set) are not groups and stay; unbalanced braces come back as they are."""
+    closing = {}  # index of each group's `{` -> index of its `}`
+    opened = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2  # a command or an escaped character (`\\{`, `\\}`, `\\\\`): never a group's brace
+            continue
+        if s[i] == "{":
+            opened.append(i)
+        elif s[i] == "}":
+            if not opened:
+                return s
+            closing[opened.pop()] = i
+        i += 1
+    if opened:
+        return s
+    drop = set()
+    for start, end in closing.items():
+        inner = s[start + 1 : end]
+        first = start + 1 + len(inner) - len(inner.lstrip())  # the group's first and last non-space characters
+        last = end - 1 - (len(inner) - len(inner.rstrip()))
+        if closing.get(first) == last:  # `{ {...} }`: the inner group is redundant
+            drop.update((first, last))
+    first = len(s) - len(s.lstrip())
+    if closing.get(first) == len(s.rstrip()) - 1:  # a group around the whole answer
+        drop.update((first, len(s.rstrip()) - 1))
+    return "".join(ch for j, ch in enumerate(s) if j not in drop)
+
+
 def normalize_answer(s: str) -> str:
-    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    """Redundant braces, units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples
+    stay."""
+    s = drop_redundant_braces(s)
     for pattern, repl in SUBS:
         s = re.sub(pattern, repl, s.strip())
     for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
@@ -379,7 +414,11 @@ def load_split(dataset: str, split: str) -> list[dict]:
     import datasets
 
     if os.path.isdir(dataset):
-        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+        path = os.path.join(dataset, f"{split}.jsonl")
+        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
+            if not any(line.strip() for line in f):
+                return []
+        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
@@ -387,6 +426,8 @@ if __name__ == "__main__":
     import tyro
 
     args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
 
     import random
 
@@ -396,6 +437,8 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: data, Redis, servers
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
     train = load_split(args.dataset, "train")[: args.limit]
+    if not train:
+        raise SystemExit(f"no training problems: {args.dataset} holds none")
     rng = random.Random(f"{args.seed}/{actor_id}")  # each actor walks the data in its own order
     order = rng.sample(range(len(train)), len(train))
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password

@@ -56,7 +56,10 @@ class Args:
     eval_dataset: str = "HuggingFaceH4/MATH-500"
     """evaluation set (test split; `problem`, `solution`), or a local directory with test.jsonl"""
     limit: Optional[int] = None
-    """use only the first `limit` training problems"""
+    """use only the first `limit` training problems, counted after the evaluation overlap is dropped (None: all)"""
+    keep_eval_overlap: bool = False
+    """also train on the training problems whose text is an evaluation problem's (by default they are dropped:
+    qwedsacf/competition_math, MATH's train and test splits together, holds every MATH-500 problem)"""
     system_prompt: str = (
         "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
     )
@@ -130,8 +133,8 @@ class Args:
     """evaluate every this many steps (0: never)"""
     eval_before_start: bool = False
     """evaluate before the first step"""
-    eval_limit: int = 100
-    """number of evaluation problems (split over the ranks)"""
+    eval_limit: Optional[int] = 100
+    """evaluate on the first `eval_limit` problems of the evaluation set (None: all; split over the ranks)"""
     eval_concurrency: int = 32
     """evaluation requests in flight per rank"""
     eval_temperature: float = 0.0
@@ -341,8 +344,43 @@ SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
 ]
 
 
+def drop_redundant_braces(s: str) -> str:
+    """`{{5}}` -> `5`, `x^{{2}}` -> `x^{2}`: a brace group that holds nothing but another group, and a group around
+    the whole answer, change nothing in TeX, and dozens of levels of them would use up math-verify's CPU time.
+    Escaped braces (`\\{1, 2\\}`, a set) are not groups and stay; unbalanced braces come back as they are."""
+    closing = {}  # index of each group's `{` -> index of its `}`
+    opened = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2  # a command or an escaped character (`\\{`, `\\}`, `\\\\`): never a group's brace
+            continue
+        if s[i] == "{":
+            opened.append(i)
+        elif s[i] == "}":
+            if not opened:
+                return s
+            closing[opened.pop()] = i
+        i += 1
+    if opened:
+        return s
+    drop = set()
+    for start, end in closing.items():
+        inner = s[start + 1 : end]
+        first = start + 1 + len(inner) - len(inner.lstrip())  # the group's first and last non-space characters
+        last = end - 1 - (len(inner) - len(inner.rstrip()))
+        if closing.get(first) == last:  # `{ {...} }`: the inner group is redundant
+            drop.update((first, last))
+    first = len(s) - len(s.lstrip())
+    if closing.get(first) == len(s.rstrip()) - 1:  # a group around the whole answer
+        drop.update((first, len(s.rstrip()) - 1))
+    return "".join(ch for j, ch in enumerate(s) if j not in drop)
+
+
 def normalize_answer(s: str) -> str:
-    """Units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples stay."""
+    """Redundant braces, units, $, %, degrees, `x =`, thousands separators and a final period go; sets and tuples
+    stay."""
+    s = drop_redundant_braces(s)
     for pattern, repl in SUBS:
         s = re.sub(pattern, repl, s.strip())
     for _ in range(2):  # a second pass catches `x = 5 \text{ cm}.`
@@ -734,12 +772,30 @@ def generate(
         return list(pool.map(one, range(len(prompts))))
 
 
+def problem_key(text: str) -> str:
+    """A problem's text as the overlap check compares it: runs of whitespace collapsed to one space, the ends
+    stripped; case, punctuation and LaTeX stay (they can change the problem)."""
+    return " ".join(text.split())
+
+
+def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> tuple[list[dict], int]:
+    """The training rows whose problem (`field`) is no evaluation row's, by problem_key, in their order; and how many
+    were dropped."""
+    evaluated = {problem_key(row[field]) for row in evaluation}
+    kept = [row for row in train if problem_key(row[field]) not in evaluated]
+    return kept, len(train) - len(kept)
+
+
 def load_split(dataset: str, split: str) -> list[dict]:
     """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
     import datasets
 
     if os.path.isdir(dataset):
-        return list(datasets.load_dataset("json", data_files=os.path.join(dataset, f"{split}.jsonl"), split="train"))
+        path = os.path.join(dataset, f"{split}.jsonl")
+        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
+            if not any(line.strip() for line in f):
+                return []
+        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, split=split))
 
 
@@ -848,6 +904,30 @@ if __name__ == "__main__":
     except SystemExit:
         time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
         raise
+
+    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+        if value is not None and value < 1:
+            time.sleep(0 if rank == 0 else 5)
+            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+
+    # data, before anything heavy (a set with nothing to train on stops the run before a model loads): the training
+    # problems less those of the evaluation set (its whole test split, not only --eval-limit's share), then --limit
+    train = load_split(args.dataset, "train")
+    test = load_split(args.eval_dataset, "test")
+    clean, overlap = drop_eval_overlap(train, test, "problem")
+    if rank == 0:
+        fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
+        print(
+            f"training problems: {len(train)} in {args.dataset}, {overlap} of them evaluation problems: {fate}",
+            flush=True,
+        )
+    n_rows = len(train)
+    train = (train if args.keep_eval_overlap else clean)[: args.limit]
+    test = test[: args.eval_limit]
+    if not train:
+        time.sleep(0 if rank == 0 else 5)
+        dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
+        raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
     import logging
     import random
 
@@ -913,10 +993,8 @@ if __name__ == "__main__":
         if "wandb" in loggers:
             wandb.log(metrics, step=step)
 
-    # data: one permutation on all ranks; per step, rank r keeps every world_size-th of the next
+    # data (loaded above): one permutation on all ranks; per step, rank r keeps every world_size-th of the next
     # rollouts_per_update x world_size prompts
-    train = load_split(args.dataset, "train")[: args.limit]
-    test = load_split(args.eval_dataset, "test")[: args.eval_limit]
     order = np.random.default_rng(args.seed).permutation(len(train))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 

@@ -9,6 +9,7 @@ workers can too.
 """
 
 import importlib
+import inspect
 import json
 import multiprocessing
 import os
@@ -122,6 +123,24 @@ def test_extraction(module):
     assert m.last_boxed(r"\boxed{\frac{\sqrt{3}}{2}}") == r"\frac{\sqrt{3}}{2}"
     assert m.normalize_answer("1,2") == "1,2" and m.normalize_answer("1,234,567") == "1234567"
     assert m.normalize_answer("1,600 dollars") == "1600" and m.normalize_answer("1,25 apples") == "1,25 apples"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_redundant_braces(module):
+    """Groups that hold only another group, or the whole answer, go; escaped braces (sets), arguments and
+    unbalanced input stay. 40 levels around a plain answer grade right within 1 CPU second (math-verify's parser on
+    the unstripped answer runs out of 5). Every copy is the same code."""
+    m = _load(module)
+    deep = "{" * 40 + "5" + "}" * 40
+    assert m.drop_redundant_braces(deep) == "5" and m.drop_redundant_braces("{ {5} }").strip() == "5"
+    assert m.drop_redundant_braces(r"\frac{{1}}{2}") == r"\frac{1}{2}" and m.drop_redundant_braces("x^{{2}}") == "x^{2}"
+    for kept in (r"\frac{1}{2}", r"\{1,2\}", "{1}+{2}", "1{,}000", "{{5}", "5}}", r"\\{5}", r"\left\{1\right\}"):
+        assert m.drop_redundant_braces(kept) == kept
+    assert m.drop_redundant_braces(r"{\{1,2\}}") == r"\{1,2\}"
+    _grade(module, r"\boxed{1}", "1")  # sympy's first parse outside the limit below
+    g = m.grade(r"\boxed{" + deep + "}", "5", *GRADE_ARGS.get(module, ()), **GRADE_KW.get(module, {}), cpu_s=1.0)
+    assert g == m.Grade(1.0, True, False)
+    assert inspect.getsource(m.drop_redundant_braces) == inspect.getsource(_load(MODULES[0]).drop_redundant_braces)
 
 
 # ---- grade_batch: CPU-time limit, wall-clock backstop, worker replacement, threads, load -----------

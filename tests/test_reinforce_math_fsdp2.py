@@ -174,11 +174,13 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None):
     """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
     "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
+    `data` and `eval_data`: the training and evaluation sets (default: the toy set for both, its overlap kept).
     Returns the launchers' stdout and stderr together, and the metrics (one dict per step)."""
-    data = os.path.join(FIXTURES, "math_toy")
+    toy_data = data is None
+    data = data or os.path.join(FIXTURES, "math_toy")
     launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
     if nodes > 1:
         rdzv = f"127.0.0.1:{free_port()}"
@@ -200,7 +202,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
         "--dataset",
         data,
         "--eval-dataset",
-        data,
+        eval_data or data,
         "--vllm-port",
         url.rsplit(":", 1)[1],
         "--max-completion-tokens",
@@ -220,6 +222,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1):
         "0",
         "--save-every",
         "1",
+        *(["--keep-eval-overlap"] if toy_data else []),  # the toy set's test problems are among its training problems
         *extra,
     ]
     os.makedirs(workdir, exist_ok=True)
@@ -423,3 +426,33 @@ def test_logprobs_follow_the_train_temperature(toy, tmp_path):
         url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--train-temperature", "0.7", nproc=0
     )
     assert float(m[0]["logprob_mismatch"]) < 1e-4, m
+
+
+MATH500 = Path(ROOT).parent / "shared" / "data" / "math500_test.jsonl"  # the real MATH-500, beside the repository
+
+
+def test_never_trains_on_an_evaluation_problem(toy, tmp_path):
+    """The default --eval-dataset case on real data: a training set of 12 MATH-schema problems, 4 of them MATH-500's
+    (one re-spaced), evaluated on the real MATH-500. The run says it dropped 4, and its 2 steps of 4 prompts (one
+    process) trained on the 8 others, each once: no evaluation problem reached a rollout."""
+    if not MATH500.is_file():
+        pytest.skip(f"{MATH500} is absent: the real MATH-500 lives in ../shared/data beside the repository")
+    others = read_jsonl(os.path.join(FIXTURES, "math", "train.jsonl"))
+    copied = [
+        {"problem": r["problem"], "solution": r["solution"]} for r in read_jsonl(MATH500) if len(r["problem"]) < 100
+    ]
+    copied = copied[:4]
+    copied[0]["problem"] = copied[0]["problem"].replace(" ", "  ") + "\n"
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = others[:4] + copied + others[4:]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    evaluation = tmp_path / "math500"
+    evaluation.mkdir()
+    (evaluation / "test.jsonl").symlink_to(MATH500)
+    workdir = tmp_path / "run"
+    extra = ["--train-steps", "2", "--rollouts-per-update", "4"]
+    out, m = run(toy.url, toy.model, workdir, *extra, nproc=0, data=str(data), eval_data=str(evaluation))
+    assert f"training problems: 12 in {data}, 4 of them evaluation problems: dropped" in out and len(m) == 2
+    trained = [x["problem"] for x in rollout_log(workdir, 0)]
+    assert len(trained) == 2 * 4 * 8 and sorted(set(trained)) == sorted(r["problem"] for r in others)
