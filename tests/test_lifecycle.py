@@ -287,6 +287,7 @@ def test_a_signal_stops_the_server_eval_is_starting(toy_model, tmp_path, signum)
     handlers in place (SIGTERM is caught, and it is set last)."""
     port = free_port()
     cmd = [PY, os.path.join(ROOT, EVAL), "--model", toy_model, "--start-server", f"--server-args={SERVER_ARGS}"]
+    cmd += ["--dataset", os.path.join(FIXTURES, "gsm8k_toy")]  # (eval.py reads its problems before the server starts)
     with open(tmp_path / "eval.log", "w") as log:
         proc = subprocess.Popen(
             [*cmd, "--vllm-port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
