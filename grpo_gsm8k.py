@@ -717,7 +717,7 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
         raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
     dtype = getattr(torch, info["dtype"])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numels = [p.numel() for p in model.parameters()]
+    numels = [p.numel() for _, p in base_named(model.named_parameters())]  # push_shared's tensors (LoRA: the base's)
     places, numel = staging_layout(numels, (staging_mib << 20) // itemsize if staging_mib else None)
     stem = f"/dev/shm/cleanrlvr-{os.getpid()}-{os.urandom(4).hex()}"
     control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)  # (creates the file)
@@ -779,7 +779,7 @@ def push_shared(sync: dict, model, version: int) -> dict:
     Returns the server's report."""
     import torch
 
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = base_named(model.named_parameters())  # LoRA: the merged base weights, under their own names
     buffer = sync["buffer"]  # [numel], the server's dtype
     control = sync["control"]  # [2] int64: tensors written (ours), tensors copied (the server's)
     places = sync["places"]
