@@ -145,7 +145,7 @@ class Args:
     """with --start-server on one GPU: the fraction of its memory vLLM may take (the trainer has the rest)"""
     vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
     """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
-    0: never); default: 2 when the server shares this trainer's GPU, else 0"""
+    0: never); default: 2 when the server shares this trainer's GPU (1 with --lora-sync adapter), else 0"""
     sync_dir: str = "sync_checkpoints"
     """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
@@ -153,7 +153,7 @@ class Args:
     """after each push, compare the server's weight checksums with the trainer's"""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """with --lora-rank: push the base with the adapters merged in (any server), or only the adapter, which the server
-    (started with --enable-lora --max-lora-rank R) loads from --lora-adapter-dir"""
+    (started with --enable-lora --max-lora-rank R; --start-server passes them) loads from --lora-adapter-dir"""
     lora_adapter_dir: str = "lora_adapters"
     """where --lora-sync adapter writes each version's adapter: a directory the server can read"""
 
@@ -980,6 +980,30 @@ def physical_gpu(index: int) -> str:
     return ids[index]
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes (MaxLoRARanks)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank that vLLM accepts (vllm/config/lora.py: MaxLoRARanks) and that holds adapters of
+    rank `rank`; an error past the largest."""
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise SystemExit(f"--lora-rank {rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def vllm_sleep_level(args: Args, colocated: bool) -> int:
+    """--vllm-sleep-level, or its default: sharing the trainer's GPU (`colocated`) 2, which drops vLLM's weights while
+    the trainer updates (the push rewrites them), or 1 with --lora-sync adapter, which keeps them in CPU memory (no
+    push rewrites the base); else 0. Level 2 with --lora-sync adapter is refused: the base would never come back."""
+    adapter_sync = args.lora_rank > 0 and args.lora_sync == "adapter"
+    level = args.vllm_sleep_level
+    if level is None:
+        level = (1 if adapter_sync else 2) if colocated else 0
+    if level == 2 and adapter_sync:
+        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
+    return level
+
+
 def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_level: int = 0):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
     (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
@@ -1003,6 +1027,12 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
         os.makedirs(args.sync_dir, exist_ok=True)
         cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
+    if args.lora_rank and args.lora_sync == "adapter":  # the server loads the adapter: vLLM's LoRA, on, for rank R
+        given = shlex.split(args.server_args)
+        if "--enable-lora" not in given:
+            cmd.append("--enable-lora")
+        if not any(flag.startswith("--max-lora-rank") for flag in given):
+            cmd += ["--max-lora-rank", str(vllm_lora_rank(args.lora_rank))]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -1057,9 +1087,7 @@ if __name__ == "__main__":
             "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
         )
         args.sync_transport = "shared"
-    sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else (2 if colocated else 0)
-    if sleep_level == 2 and args.lora_rank and args.lora_sync == "adapter":  # the base it drops would never come back
-        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
+    sleep_level = vllm_sleep_level(args, colocated)
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
