@@ -1421,11 +1421,10 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             if lora is None:
                 model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
-            else:  # the adapter (peft format); at the end also the merged policy, which vLLM and transformers load
-                lora.save_pretrained(path)
-                if step == args.train_steps:
-                    save_merged(lora, model, os.path.join(path, "merged"))
-                    tokenizer.save_pretrained(os.path.join(path, "merged"))
+            else:  # the adapter (peft format: resume loads it), and the merged policy, which vLLM and transformers
+                lora.save_pretrained(path)  # load (eval.py, given the checkpoint, evaluates its merged/)
+                save_merged(lora, model, os.path.join(path, "merged"))
+                tokenizer.save_pretrained(os.path.join(path, "merged"))
             tokenizer.save_pretrained(path)
             torch.save(
                 {
