@@ -10,7 +10,8 @@ problems here, so this script's accuracy and grpo_gsm8k.py's reward mean the sam
   - `--n` samples per problem: accuracy of the first sample (the greedy one at temperature 0), and pass@k for
     k = 1, 2, 4, ... <= n with the unbiased estimator of Chen et al. 2021;
   - `--strict-format`: credit only for `<think>...</think>` followed by a boxed answer (the R1 format);
-  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py;
+  - any model the server loads is a valid --model, e.g. a checkpoint directory written by grpo_gsm8k.py (a LoRA
+    checkpoint: its merged model, `merged/` inside it);
   - `--base-url`: any OpenAI-compatible server (`vllm serve`, another engine) instead, through the official openai
     client's chat completions: the same messages, hence the same prompt tokens where the server applies --model's
     chat template, the same seeds, grading and output.
@@ -608,6 +609,25 @@ def parse_args() -> Args:
     return args
 
 
+def servable_model(model: str) -> str:
+    """The model to evaluate for --model `model`: itself, or for a LoRA checkpoint of grpo_gsm8k.py (`step_N/`: the
+    adapter in peft's format, which no server loads as a model) its merged model, `step_N/merged/`; an error naming
+    merged/ when the directory is an adapter without one."""
+    adapter_only = os.path.isfile(os.path.join(model, "adapter_config.json")) and not os.path.isfile(
+        os.path.join(model, "config.json")
+    )
+    if not adapter_only:
+        return model
+    merged = os.path.join(model, "merged")
+    if not os.path.isfile(os.path.join(merged, "config.json")):
+        raise SystemExit(
+            f"--model {model} holds a LoRA adapter (peft's format), not a model a server loads, and no merged/ "
+            f"directory inside it: give --model a merged model (grpo_gsm8k.py --lora-rank writes one into every "
+            f"checkpoint, {merged})"
+        )
+    return merged
+
+
 DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
 
 
@@ -630,6 +650,9 @@ if __name__ == "__main__":
         raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
     if args.base_url and args.start_server:
         raise SystemExit("--base-url evaluates a server that is already running: leave out --start-server")
+    if (model := servable_model(args.model)) != args.model:  # a LoRA checkpoint: its merged model
+        print(f"{args.model} is a LoRA checkpoint: evaluating its merged model {model}", flush=True)
+        args.model = model
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]

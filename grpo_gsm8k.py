@@ -148,7 +148,7 @@ class Args:
     """with --start-server on one GPU: the fraction of its memory vLLM may take (the trainer has the rest)"""
     vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
     """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
-    0: never); default: 2 when the server shares this trainer's GPU, else 0"""
+    0: never); default: 2 when the server shares this trainer's GPU (1 with --lora-sync adapter), else 0"""
     sync_dir: str = "sync_checkpoints"
     """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
@@ -156,7 +156,7 @@ class Args:
     """after each push, compare the server's weight checksums with the trainer's"""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """with --lora-rank: push the base with the adapters merged in (any server), or only the adapter, which the server
-    (started with --enable-lora --max-lora-rank R) loads from --lora-adapter-dir"""
+    (started with --enable-lora --max-lora-rank R; --start-server passes them) loads from --lora-adapter-dir"""
     lora_adapter_dir: str = "lora_adapters"
     """where --lora-sync adapter writes each version's adapter: a directory the server can read"""
 
@@ -794,7 +794,7 @@ def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
             raise RuntimeError(problem)
     dtype = getattr(torch, info["dtype"])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numels = [p.numel() for p in model.parameters()]
+    numels = [p.numel() for _, p in base_named(model.named_parameters())]  # push_shared's tensors (LoRA: the base's)
     places, numel = staging_layout(numels, (staging_mib << 20) // itemsize if staging_mib else None)
     stem = f"/dev/shm/cleanrlvr-{os.getpid()}-{os.urandom(4).hex()}"
     control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)  # (creates the file)
@@ -886,7 +886,7 @@ def push_shared(sync: dict, model, version: int) -> dict:
     Returns the server's report."""
     import torch
 
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = base_named(model.named_parameters())  # LoRA: the merged base weights, under their own names
     buffer = sync["buffer"]  # [numel], the server's dtype
     control = sync["control"]  # [2] int64: tensors written (ours), tensors copied (the server's)
     places = sync["places"]
@@ -1087,6 +1087,30 @@ def physical_gpu(index: int) -> str:
     return ids[index]
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes (MaxLoRARanks)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank that vLLM accepts (vllm/config/lora.py: MaxLoRARanks) and that holds adapters of
+    rank `rank`; an error past the largest."""
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise SystemExit(f"--lora-rank {rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def vllm_sleep_level(args: Args, colocated: bool) -> int:
+    """--vllm-sleep-level, or its default: sharing the trainer's GPU (`colocated`) 2, which drops vLLM's weights while
+    the trainer updates (the push rewrites them), or 1 with --lora-sync adapter, which keeps them in CPU memory (no
+    push rewrites the base); else 0. Level 2 with --lora-sync adapter is refused: the base would never come back."""
+    adapter_sync = args.lora_rank > 0 and args.lora_sync == "adapter"
+    level = args.vllm_sleep_level
+    if level is None:
+        level = (1 if adapter_sync else 2) if colocated else 0
+    if level == 2 and adapter_sync:
+        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
+    return level
+
+
 def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_level: int = 0):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
     (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
@@ -1110,6 +1134,12 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
         os.makedirs(args.sync_dir, exist_ok=True)
         cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
+    if args.lora_rank and args.lora_sync == "adapter":  # the server loads the adapter: vLLM's LoRA, on, for rank R
+        given = shlex.split(args.server_args)
+        if "--enable-lora" not in given:
+            cmd.append("--enable-lora")
+        if not any(flag.startswith("--max-lora-rank") for flag in given):
+            cmd += ["--max-lora-rank", str(vllm_lora_rank(args.lora_rank))]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -1343,9 +1373,7 @@ if __name__ == "__main__":
             "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
         )
         args.sync_transport = "shared"
-    sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else (2 if colocated else 0)
-    if sleep_level == 2 and args.lora_rank and args.lora_sync == "adapter":  # the base it drops would never come back
-        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
+    sleep_level = vllm_sleep_level(args, colocated)
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if sleep_level and device.type != "cuda":
         raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
@@ -1680,13 +1708,12 @@ if __name__ == "__main__":
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             if lora is None:
                 model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
-            else:  # the adapter (peft format); at the end also the merged policy, which vLLM and transformers load
-                lora.save_pretrained(path)
-                if step == args.train_steps:
-                    save_merged(lora, model, os.path.join(path, "merged"))
-                    tokenizer.save_pretrained(os.path.join(path, "merged"))
-                    with open(os.path.join(path, "merged", "args.json"), "w") as f:  # eval.py reads the prompt
-                        json.dump(run_args, f, indent=1)
+            else:  # the adapter (peft format: resume loads it), and the merged policy, which vLLM and transformers
+                lora.save_pretrained(path)  # load (eval.py, given the checkpoint, evaluates its merged/)
+                save_merged(lora, model, os.path.join(path, "merged"))
+                tokenizer.save_pretrained(os.path.join(path, "merged"))
+                with open(os.path.join(path, "merged", "args.json"), "w") as f:  # eval.py reads the prompt
+                    json.dump(run_args, f, indent=1)
             tokenizer.save_pretrained(path)
             with open(os.path.join(path, "args.json"), "w") as f:  # --resume and eval.py read them
                 json.dump(run_args, f, indent=1)

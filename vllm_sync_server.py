@@ -898,7 +898,14 @@ async def load_adapter(state: ServerState, models, name: str, path: str, version
     its LoRA id and the engine reads the new weights before its next step, so /generate with `lora: name` (and vLLM's
     /v1 routes with model `name`) sample with them from the next request on. vLLM keys a LoRA request's cached prefix
     blocks by the adapter's name and path: a new `path` per version never meets them, and the prefix cache is reset
-    anyway."""
+    anyway.
+
+    Once loaded, the request vLLM stored for `name` is stored again with load_inplace off: every later request that
+    names the adapter carries that stored request, and a worker re-reads an adapter from its path at every engine step
+    where a request carries load_inplace (vllm/lora/worker_manager.py, add_adapter). With it on, each step would read
+    the files again, and a request still running when the trainer deletes an older version's directory would crash
+    the engine. The swap follows vLLM's own store with no await in between: no request can pick up the old one."""
+    import msgspec
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     t0 = time.perf_counter()
@@ -908,6 +915,8 @@ async def load_adapter(state: ServerState, models, name: str, path: str, version
     answer = await models.load_lora_adapter(request)
     if not isinstance(answer, str):  # vLLM's ErrorResponse: no such files, a rank over --max-lora-rank, ...
         return {"status": "error", "error": answer.error.message}
+    # (no await since vLLM stored it: the next request that names the adapter already gets this one)
+    models.lora_requests[name] = msgspec.structs.replace(models.lora_requests[name], load_inplace=False)
     state.adapters[name] = version if version is not None else state.adapters.get(name, 0) + 1
     await state.engine.reset_prefix_cache()  # a path written again (a new run where an old one wrote) has new weights
     return {

@@ -5,6 +5,7 @@ reference for a merged checkpoint is the base plus (alpha / r) B A computed here
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,12 +14,19 @@ import torch
 from test_grpo_gsm8k import run_script
 
 from conftest import (
+    FIXTURES,
     GAP_PROMPTS,
+    PY,
+    ROOT,
+    SERVER_LOGS,
+    ToyServer,
     assert_learned,
+    free_port,
     import_script,
     load_weights,
     max_abs_diff,
     read_jsonl,
+    run_ok,
     server_matches,
     start_server,
     stop_server,
@@ -51,6 +59,22 @@ def toy_model(toy_model, tmp_path_factory) -> str:
         if not name.endswith(".safetensors") and name != "config.json":
             shutil.copy(os.path.join(toy_model, name), path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory) -> Path:
+    """The --checkpoint-root of the module's server of the toy model: --sync-transport checkpoint saves inside it."""
+    return tmp_path_factory.mktemp("checkpoint_root")
+
+
+@pytest.fixture(scope="module")
+def toy(toy_model, checkpoint_root, tmp_path_factory) -> ToyServer:
+    """conftest's server of the toy model (see toy_model), with a --checkpoint-root: every transport reaches it."""
+    log = str(tmp_path_factory.mktemp("lora_toy_server") / "server.log")
+    proc, url = start_server(toy_model, log, "--checkpoint-root", str(checkpoint_root))
+    SERVER_LOGS[url] = log
+    yield ToyServer(url=url, model=toy_model)
+    stop_server(proc)
 
 
 def lora_model(path: str, seed: int = 0):
@@ -126,24 +150,42 @@ def merged_a(toy, tmp_path_factory) -> Run:
 
 
 def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
-    """Run A pushes two verified versions, its trainer agrees with the sampler, its checkpoints hold the adapter
-    (peft format, no full model), and the last one also a merged model that transformers loads and that equals the
-    base plus (alpha / r) B A of the saved adapter; the server held exactly that model at the end; the base moved
-    nowhere but through the adapter."""
+    """Run A pushes two verified versions, its trainer agrees with the sampler, every checkpoint holds the adapter
+    (peft format, no full model beside it) and in merged/ a model that transformers loads and that equals the base
+    plus (alpha / r) B A of that checkpoint's adapter; the server held exactly the last one at the end; the base
+    moved nowhere but through the adapter."""
     from transformers import AutoModelForCausalLM
 
     m = merged_a.metrics
     assert [int(x["version"]) for x in m] == [1, 2]
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
+    for step in (1, 2):
+        path = merged_a.workdir / "ckpt" / f"step_{step}"
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(path))
+        assert "model.safetensors" not in os.listdir(path)
+        merged = load_weights(path / "merged")
+        want = merged_reference(toy.model, path)
+        assert set(merged) == set(want) and max_abs_diff(merged, want) < 1e-5
+        assert max_abs_diff(merged, load_weights(toy.model)) > 1e-4  # the adapter moved the policy
+        AutoModelForCausalLM.from_pretrained(path / "merged")
+
+
+def test_eval_of_a_lora_checkpoint_evaluates_its_merged_model(toy, merged_a, tmp_path):
+    """eval.py pointed at a LoRA checkpoint (an adapter, which no server loads as a model) evaluates the merged model
+    inside it; an adapter directory without merged/ is refused with a message naming merged/, before any work."""
+    import shutil
+    import subprocess
+
     step_1 = merged_a.workdir / "ckpt" / "step_1"
-    step_2 = merged_a.workdir / "ckpt" / "step_2"
-    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(step_1))
-    assert "model.safetensors" not in os.listdir(step_1) and not (step_1 / "merged").exists()
-    merged = load_weights(step_2 / "merged")
-    want = merged_reference(toy.model, step_2)
-    assert set(merged) == set(want) and max_abs_diff(merged, want) < 1e-5
-    assert max_abs_diff(merged, load_weights(toy.model)) > 1e-4  # the adapter moved the policy
-    AutoModelForCausalLM.from_pretrained(step_2 / "merged")
+    cmd = [PY, os.path.join(ROOT, "eval.py"), "--vllm-port", toy.url.rsplit(":", 1)[1], "--limit", "2"]
+    cmd += ["--max-tokens", "8", "--dataset", os.path.join(FIXTURES, "gsm8k_toy"), "--out", "out.jsonl"]
+    r = run_ok([*cmd, "--model", str(step_1)], cwd=tmp_path, timeout=300)
+    assert f"evaluating its merged model {step_1 / 'merged'}" in r.stdout
+    assert read_jsonl(tmp_path / "out.jsonl")[-1]["summary"]["model"] == str(step_1 / "merged")
+    adapter_only = tmp_path / "adapter_only"
+    shutil.copytree(step_1, adapter_only, ignore=shutil.ignore_patterns("merged"))
+    r = subprocess.run([*cmd, "--model", str(adapter_only)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "LoRA adapter" in r.stderr and str(adapter_only / "merged") in r.stderr
 
 
 def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
@@ -186,6 +228,7 @@ def lora_server(toy_model, tmp_path_factory) -> str:
     """A server of the toy model with LoRA on (vLLM's flags; rank 8 at most), for this module."""
     log = str(tmp_path_factory.mktemp("lora_server") / "server.log")
     proc, url = start_server(toy_model, log, "--enable-lora", "--max-lora-rank", "8")
+    SERVER_LOGS[url] = log
     yield url
     stop_server(proc)
 
@@ -235,33 +278,212 @@ def test_an_adapter_without_lora_on_is_refused(toy, tmp_path):
     assert r.status_code == 400 and "no adapter 'policy'" in r.text
 
 
-def test_adapter_run_samples_with_each_version(lora_server, toy_model, tmp_path):
-    """The script with --lora-sync adapter: 2 steps, each sampled with the adapter of the step before (the rollout
-    log's versions: 0 for step 1, the fresh adapter; 1 for step 2), the trainer's logprobs equal to the sampler's,
-    only the newest adapter left in --lora-adapter-dir, and a merged model at the end."""
+# ---------------------------------------------------------------------------------------------------
+# every way the flags let a LoRA run reach the server: --sync-transport x --lora-sync
+
+
+@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
+@pytest.mark.parametrize("transport", ["collective", "shared", "checkpoint"])
+def test_every_transport_and_lora_sync(request, toy, checkpoint_root, tmp_path, transport, lora_sync):
+    """A two-step LoRA run over each transport with each --lora-sync (adapter: the adapter's files go to a server
+    with LoRA on, whatever the transport). Merged: every push verified by checksum (--verify-sync), and the server
+    ends with exactly the last checkpoint's merged model. Every step's sampler agrees with its trainer (pushes 0 and
+    1: logprob_mismatch under 1e-5); after the last push the server's logprobs equal those of the PEFT model of the
+    last checkpoint within 1e-4, and not those of the step before. Adapter: step 1 sampled with version 0, step 2
+    with 1, only the newest adapter's files left."""
+    url = toy.url if lora_sync == "merged" else request.getfixturevalue("lora_server")
     extra = ("--train-steps", "2", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
-    _, m = run_script(lora_server, tmp_path, *extra, "--lora-sync", "adapter", model=toy_model)
-    assert [int(x["version"]) for x in m] == [1, 2]
+    extra += ("--lora-sync", lora_sync)  # (8 prompts x 8: no step without a reward, so every step moves the adapter)
+    extra += ("--sync-transport", transport, "--sync-dir", str(checkpoint_root / f"sync_{transport}_{lora_sync}"))
+    if lora_sync == "merged":
+        extra += ("--verify-sync",)
+    before = set(os.listdir("/dev/shm"))
+    out, m = run_script(url, tmp_path, *extra, model=toy.model)
+    assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
+    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("cleanrlvr-")]
+    step_1 = tmp_path / "ckpt" / "step_1"
+    step_2 = tmp_path / "ckpt" / "step_2"
+    if lora_sync == "merged":
+        assert server_matches(url, step_2 / "merged")
+    else:
+        rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
+        assert [{v for r in rollouts if r["step"] == s for v in r["versions"]} for s in (1, 2)] == [{0}, {1}]
+        assert os.listdir(tmp_path / "lora_adapters") == ["v2"]
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+    lora = "policy" if lora_sync == "adapter" else None
+    results = G.generate(url, GAP_PROMPTS, 4, 1.0, 24, 4, seeds, lora=lora)
+
+    def gap(checkpoint):  # the PEFT model of `checkpoint` against the server's samples
+        import tyro
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(toy.model, dtype=torch.float32)
+        G.add_lora(base, tyro.cli(G.Args, args=list(LORA)), saved=str(checkpoint))
+        return worst_logprob_gap(G, base, GAP_PROMPTS, results, 1.0)
+
+    assert gap(step_2) < 1e-4
+    assert gap(step_1) > 1e-4  # the comparison tells the versions apart
+
+
+# ---------------------------------------------------------------------------------------------------
+# the adapter's files: read once per load, and not needed after it
+
+
+class FileOpens:
+    """Counts the opens of the files in a directory, by any process (Linux inotify): how often vLLM's workers read an
+    adapter's files. Open and close events alternate, so the kernel coalesces no two opens into one event."""
+
+    IN_OPEN = 0x20
+    IN_CLOSE_NOWRITE = 0x10
+
+    def __init__(self, path):
+        import ctypes
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
+        assert self.fd >= 0, ctypes.get_errno()
+        wd = self.libc.inotify_add_watch(self.fd, str(path).encode(), self.IN_OPEN | self.IN_CLOSE_NOWRITE)
+        assert wd >= 0, ctypes.get_errno()
+        self.opens = 0
+
+    def count(self) -> int:
+        """Opens of a file in the directory seen so far (the directory's own opens, a listing, do not count)."""
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return self.opens
+            i = 0
+            while i < len(data):  # struct inotify_event: wd, mask, cookie, len, then len bytes of name
+                _, mask, _, length = struct.unpack_from("iIII", data, i)
+                self.opens += bool(mask & self.IN_OPEN and length)
+                i += 16 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_an_adapter_is_read_once_per_load_and_outlives_its_files(toy, lora_server, tmp_path):
+    """After /update_adapter the workers hold the adapter: sampling with it reads none of its files (a request that
+    named the adapter with load_inplace on would make every engine step read them again). A request running on
+    version 1 (a long completion, its first tokens streamed, then held by vLLM's pause) finishes every token after
+    version 2 was loaded and version 1's directory deleted, and the server still samples."""
+    import requests
+
+    _, peft_model = lora_model(toy.model, seed=0)
+    adapters = tmp_path / "adapters"
+    peft_model.save_pretrained(adapters / "v1")
+    opens = FileOpens(adapters / "v1")
+    try:
+        body = {"name": "policy", "path": str(adapters / "v1"), "version": 1}
+        assert requests.post(lora_server + "/update_adapter", json=body, timeout=120).json()["status"] == "ok"
+        loaded = opens.count()
+        seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+        results = G.generate(lora_server, GAP_PROMPTS, 4, 1.0, 32, 4, seeds, lora="policy")  # 32 engine steps
+        assert all(len(c["token_ids"]) > 0 for r in results for c in r["completions"])
+        sampling = opens.count() - loaded
+    finally:
+        opens.close()
+    assert loaded >= 1 and sampling == 0, (loaded, sampling)
+
+    # a request in flight on version 1 (vLLM's /v1/completions, streamed: its first chunk says it runs), held in the
+    # engine by the server's /pause (vLLM's mode keep) while version 2 goes in and version 1's files go. Should it be
+    # over before the hold (900 tokens to go: only a machine stalled for seconds gets there), it is sent again.
+    n_tokens = 900
+    body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": n_tokens, "ignore_eos": True, "stream": True}
+    body |= {"temperature": 1.0, "seed": 0, "stream_options": {"include_usage": True}}
+    for _attempt in range(3):
+        with requests.post(lora_server + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            chunks = (line for line in r.iter_lines() if line)
+            first = next(chunks)
+            assert first.startswith(b"data: {"), first
+            held = requests.post(lora_server + "/pause", timeout=60).json()
+            try:
+                if held["in_flight"]:
+                    G.push_adapter(lora_server, peft_model, 2, str(adapters))
+                    assert os.listdir(adapters) == ["v2"]
+            finally:
+                assert requests.post(lora_server + "/resume", timeout=60).ok
+            events = [json.loads(line.removeprefix(b"data: ")) for line in chunks if line != b"data: [DONE]"]
+        if held["in_flight"]:
+            break
+    assert held["in_flight"], "the long request was over before /pause in 3 attempts"
+    assert "error" not in events[-1], events[-1]
+    assert events[-1]["usage"]["completion_tokens"] == n_tokens
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert requests.get(lora_server + "/health", timeout=10).ok
+    again = G.generate(lora_server, GAP_PROMPTS[:1], 1, 1.0, 8, 1, [0], lora="policy")
+    assert again[0]["completions"][0]["versions"] == [2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# --lora-sync adapter --start-server: the script starts a server with vLLM's LoRA on
+
+
+def test_vllm_lora_rank_is_one_vllm_takes():
+    """--max-lora-rank for the server --start-server launches: the smallest value vLLM's LoRAConfig accepts that holds
+    the adapter's rank; the script's list is vLLM's own."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    assert typing.get_args(MaxLoRARanks) == G.VLLM_LORA_RANKS
+    assert [G.vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 100, 300, 512)] == [1, 8, 8, 16, 16, 128, 320, 512]
+    with pytest.raises(SystemExit, match="up to rank 512"):
+        G.vllm_lora_rank(513)
+
+
+def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path):
+    """--start-server with --lora-sync adapter launches the server with --enable-lora --max-lora-rank R (the rank
+    rounded up to one vLLM takes; the user's own flags win), and with --lora-sync merged without them. Sharing the GPU,
+    vLLM then sleeps at level 1 by default (its base weights kept), and level 2 is refused."""
+    import tyro
+
+    launched = []
+
+    class Exited:  # the launch is recorded, then the "server" exits at once
+        pid = 0
+        returncode = 1
+
+        def __init__(self, cmd, env, **kw):
+            launched.append(cmd)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    monkeypatch.chdir(tmp_path)
+    for flags in (
+        ["--lora-rank", "10", "--lora-sync", "adapter"],
+        ["--lora-rank", "8", "--lora-sync", "adapter", "--server-args=--enable-lora --max-lora-rank=64"],
+        ["--lora-rank", "8", "--lora-sync", "merged"],
+    ):
+        args = tyro.cli(G.Args, args=["--start-server", *flags])
+        with pytest.raises(RuntimeError, match="exited"):
+            G.start_vllm_server(args, str(tmp_path / "server.log"))
+    assert launched[0][-3:] == ["--enable-lora", "--max-lora-rank", "16"]
+    assert launched[1].count("--enable-lora") == 1 and "--max-lora-rank" not in launched[1]
+    assert "--enable-lora" not in launched[2]
+    adapter = tyro.cli(G.Args, args=["--lora-rank", "8", "--lora-sync", "adapter"])
+    merged = tyro.cli(G.Args, args=["--lora-rank", "8"])
+    assert [G.vllm_sleep_level(adapter, True), G.vllm_sleep_level(merged, True)] == [1, 2]
+    assert [G.vllm_sleep_level(adapter, False), G.vllm_sleep_level(merged, False)] == [0, 0]
+    with pytest.raises(SystemExit, match="--vllm-sleep-level 1"):
+        G.vllm_sleep_level(
+            tyro.cli(G.Args, args=["--lora-rank", "8", "--lora-sync", "adapter", "--vllm-sleep-level", "2"]), True
+        )
+
+
+def test_adapter_sync_with_start_server(toy_model, tmp_path):
+    """--lora-rank 8 --lora-sync adapter --start-server: the script starts its own server with LoRA on (rank 8) and
+    trains two steps, each sampled with the adapter of the step before."""
+    port = free_port()
+    server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
+    extra = ("--start-server", f"--server-args={server_args}", "--lora-sync", "adapter", "--train-steps", "2")
+    extra += ("--rollouts-per-update", "4", "--group-size", "4", "--learning-rate", "3e-2", *LORA, *HOT)
+    out, m = run_script(f"http://127.0.0.1:{port}", tmp_path, *extra, model=toy_model)
+    assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
     rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
     assert [{v for r in rollouts if r["step"] == s for v in r["versions"]} for s in (1, 2)] == [{0}, {1}]
-    assert os.listdir(tmp_path / "lora_adapters") == ["v2"]
-    merged = load_weights(tmp_path / "ckpt" / "step_2" / "merged")
-    assert max_abs_diff(merged, merged_reference(toy_model, tmp_path / "ckpt" / "step_2")) < 1e-5
-
-
-def test_merged_over_the_checkpoint_transport(toy_model, tmp_path):
-    """--lora-sync merged with --sync-transport checkpoint: the merged base, saved under its own names, is what the
-    server loads (--verify-sync at every push; at the end the server holds the merged model of the last checkpoint),
-    and the sampler agrees with the trainer."""
-    root = tmp_path / "root"  # the server's --checkpoint-root
-    proc, url = start_server(toy_model, str(tmp_path / "server.log"), "--checkpoint-root", str(root))
-    try:
-        extra = ("--train-steps", "2", "--save-every", "2", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
-        transport = ("--sync-transport", "checkpoint", "--sync-dir", str(root / "sync"))
-        _, m = run_script(url, tmp_path, *extra, *transport, model=toy_model)
-        assert server_matches(url, tmp_path / "ckpt" / "step_2" / "merged")
-    finally:
-        stop_server(proc)
-    assert [int(x["version"]) for x in m] == [1, 2], m
-    assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
