@@ -11,7 +11,8 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
-    (`--tis-cap`), and is always logged (`logprob_mismatch`);
+    (`--tis-cap`), and is always logged (`logprob_mismatch`); past `--max-logprob-mismatch` on a step sampled by the
+    weights last pushed, the server is not running this policy and the run stops;
   - `--lora-rank R` trains LoRA adapters on a frozen base instead of every weight; the server gets the base with the
     adapters merged in, or the adapter alone (`--lora-sync`).
 

@@ -20,7 +20,9 @@ What this learner does, and how:
     /update_param_batch to every server, broadcasts each tensor once (one broadcast reaches all the servers), and
     tells every server the same new version. At start, and first thing after --resume, it pushes its weights with
     a version above every server's, so records sampled by whatever the servers held before count as stale;
-  - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway).
+  - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway);
+  - records of lag 0 sampled by one version, while the learner still holds that version's weights, must carry its
+    own logprobs up to numerics: past --max-logprob-mismatch the servers are not running its policy, and it stops.
 
 What it leaves out, on purpose: sharding the learner over GPUs (reinforce_math_fsdp2.py shows FSDP2), a replay
 buffer, a KL penalty and LoRA. The loss is the ALGO LOGIC section; the loop at the bottom pops, trains and pushes.
