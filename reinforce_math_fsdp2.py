@@ -294,7 +294,7 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
 # weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
 # loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
-# is numerics alone: about 1e-6 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
+# is numerics alone: about 2e-7 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
 # other rounding). The default limits sit far above those and far below a policy of other weights.
 MISMATCH_LIMITS = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1}
 
