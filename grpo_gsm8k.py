@@ -11,7 +11,8 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
-    (`--tis-cap`), and is always logged (`logprob_mismatch`);
+    (`--tis-cap`), and is always logged (`logprob_mismatch`); past `--max-logprob-mismatch` on a step sampled by the
+    weights last pushed, the server is not running this policy and the run stops;
   - `--lora-rank R` trains LoRA adapters on a frozen base instead of every weight; the server gets the base with the
     adapters merged in, or the adapter alone (`--lora-sync`).
 
@@ -153,7 +154,13 @@ class Args:
     """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
-    """after each push, compare the server's weight checksums with the trainer's"""
+    """after each push, compare the server's weight checksums with the trainer's (--lora-sync adapter: sample a few
+    tokens with the adapter just loaded and hold their logprobs to --max-logprob-mismatch)"""
+    max_logprob_mismatch: Optional[float] = None
+    """stop the run when the tokens of a step sampled by the weights this trainer pushed last and still holds differ
+    from its own logprobs by more than this per token on average: the server does not compute with the weights pushed.
+    Default: 1e-3 when the server and the trainer compute in float32, 0.1 when either computes in bfloat16 or float16;
+    0: no check"""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """with --lora-rank: push the base with the adapters merged in (any server), or only the adapter, which the server
     (started with --enable-lora --max-lora-rank R; --start-server passes them) loads from --lora-adapter-dir"""
@@ -372,6 +379,35 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
     T = mask.shape[1]
     rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+# The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
+# weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
+# loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
+# is numerics alone: about 2e-7 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
+# other rounding). The default limits sit far above those and far below a policy of other weights.
+MISMATCH_LIMITS = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1}
+
+
+def logprob_mismatch_limit(flag: Optional[float], dtypes: list[str]) -> float:
+    """The limit in force: --max-logprob-mismatch when given (0: no check), else the default of the coarsest of
+    `dtypes`, the server's dtype and the trainer's compute dtype (one bfloat16 end makes a bfloat16 run)."""
+    if flag is not None:
+        return flag
+    return max(MISMATCH_LIMITS.get(dtype, MISMATCH_LIMITS["bfloat16"]) for dtype in dtypes)
+
+
+def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: int, transport: str) -> None:
+    """Stop the run when the tokens of `step` sampled by `version`, the weights this trainer pushed last and still
+    holds, differ from the trainer's logprobs by more than `limit` per token on average (`mismatch`): the server
+    does not compute with those weights. Called before the step's update; nan (no such token) and limit 0 pass."""
+    if limit > 0 and mismatch > limit:
+        raise RuntimeError(
+            f"step {step}: the server sampled version {version} (this trainer's last push, over the {transport} "
+            f"transport) with logprobs {mismatch:.4g} per token away from this trainer's, over "
+            f"--max-logprob-mismatch {limit:g}: the server does not compute with the weights pushed (a push that "
+            "did not take, or another process changed its weights)"
+        )
 
 
 # TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
@@ -1025,6 +1061,36 @@ def push_adapter(url: str, peft_model, version: int, adapter_dir: str) -> float:
     return time.time() - t0
 
 
+def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args, pad_id: int) -> float:
+    """--verify-sync with --lora-sync adapter. vLLM holds an adapter in its own layout (stacked, padded to its
+    --max-lora-rank), so no checksum compares it with the trainer's; its logprobs do. Sample 4 short completions of
+    `prompt` with the adapter just loaded and return the mean |trainer logprob - server logprob| per token, the figure
+    --max-logprob-mismatch bounds. An answer sampled by another adapter version than `version` is an error."""
+    import torch
+
+    body = {
+        "prompts": [prompt],
+        "n": 4,
+        "temperature": args.train_temperature,
+        "max_tokens": min(16, args.max_completion_tokens),
+        "lora": "policy",
+    }
+    completions = post(url, "/generate", body).json()["results"][0]["completions"]  # [4]
+    if any(c["versions"] != [version] for c in completions):
+        raise RuntimeError(
+            f"--verify-sync: {url} sampled adapter versions {[c['versions'] for c in completions]}, "
+            f"not the version {version} just pushed"
+        )
+    device = next(model.parameters()).device
+    seqs = [prompt + c["token_ids"] for c in completions]
+    ids, attn, mask, at = micro_batch(seqs, [len(prompt)] * len(seqs), list(range(len(seqs))), pad_id, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # as training
+    with torch.no_grad(), autocast:
+        ours, _ = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N]
+    theirs = torch.tensor([lp for c in completions for lp in c["logprobs"]], device=device)  # [N]
+    return (ours.float() - theirs).abs().mean().item() if theirs.numel() else float("nan")
+
+
 def save_merged(peft_model, model, path: str) -> None:
     """The policy as a plain Hugging Face model in `path` (base names, adapters merged in), for vLLM and
     transformers."""
@@ -1331,8 +1397,12 @@ if __name__ == "__main__":
     run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
-    if args.lora_sync == "adapter" and (not args.lora_rank or args.verify_sync):
-        raise SystemExit("--lora-sync adapter needs --lora-rank, and pushes no weights for --verify-sync to check")
+    if args.lora_sync == "adapter" and not args.lora_rank:
+        raise SystemExit("--lora-sync adapter needs --lora-rank")
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+    if args.lora_sync == "adapter" and args.verify_sync and args.max_logprob_mismatch == 0:
+        raise SystemExit("--verify-sync with --lora-sync adapter checks logprobs: it needs --max-logprob-mismatch > 0")
     check_run_files(args, args.rollout_log)
     ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
     if ckpts and ckpts[-1] >= args.train_steps:
@@ -1481,6 +1551,12 @@ if __name__ == "__main__":
             push = push_weights
         with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
             push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+    # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
+    served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (the autocast above)
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, trainer_dtype])
+    transport = "adapter" if adapter is not None else args.sync_transport
+    current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
 
     def evaluate() -> dict:
         results = generate(
@@ -1545,6 +1621,9 @@ if __name__ == "__main__":
             for row, res, seed in zip(rows, results, seeds, strict=True)
             for j, completion in enumerate(res["completions"])
         ]
+        # fresh: sampled by the version pushed last, which the trainer still holds (not a stale step between pushes of
+        # --sync-every-steps): the server's logprobs must then be the trainer's, up to numerics
+        fresh = current and all(sample.completion["versions"] == [version] for sample in samples)
         # 2) grade; 3) advantages, relative to each prompt's group
         grades = grade_batch(
             [sample.completion["text"] for sample in samples],
@@ -1625,6 +1704,9 @@ if __name__ == "__main__":
                 loss.backward()
                 if it == 0:
                     stats["loss"] += loss.item()
+            if it == 0 and fresh and not bad:  # before any update: a policy the server does not run teaches nothing
+                mismatch = stats["mismatch_sum"] / T_fed if T_fed else float("nan")
+                check_logprob_mismatch(mismatch, limit, step + 1, version, transport)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
             if bad or not torch.isfinite(grad_norm).item():
@@ -1653,8 +1735,13 @@ if __name__ == "__main__":
         elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
             with lora_merged(lora):
                 push(sync, model, version)
+        if not bad:  # the weights moved: the server holds them only if this step pushed them
+            current = step % args.sync_every_steps == 0
         if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
             wake_vllm(url, device, asleep_bytes)
+        if args.verify_sync and adapter is not None and current and not bad:  # no checksums of an adapter: logprobs
+            probe = verify_adapter(url, model, prompt_ids(rows[0]["question"]), version, args, tokenizer.pad_token_id)
+            check_logprob_mismatch(probe, limit, step, version, "adapter")
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens

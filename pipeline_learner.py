@@ -20,7 +20,9 @@ What this learner does, and how:
     /update_param_batch to every server, broadcasts each tensor once (one broadcast reaches all the servers), and
     tells every server the same new version. At start, and first thing after --resume, it pushes its weights with
     a version above every server's, so records sampled by whatever the servers held before count as stale;
-  - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway).
+  - records popped but not trained when the learner dies are lost (most would be stale after a restart anyway);
+  - records of lag 0 sampled by one version, while the learner still holds that version's weights, must carry its
+    own logprobs up to numerics: past --max-logprob-mismatch the servers are not running its policy, and it stops.
 
 What it leaves out, on purpose: sharding the learner over GPUs (reinforce_math_fsdp2.py shows FSDP2), a replay
 buffer, a KL penalty and LoRA. The loss is the ALGO LOGIC section; the loop at the bottom pops, trains and pushes.
@@ -121,6 +123,11 @@ class Args:
     """push the weights to the servers every this many steps (each push is a new version)"""
     verify_sync: bool = False
     """after each push, compare every server's weight checksums with the learner's"""
+    max_logprob_mismatch: Optional[float] = None
+    """stop the run when the tokens of a step sampled by the weights this trainer pushed last and still holds differ
+    from its own logprobs by more than this per token on average: the server does not compute with the weights pushed.
+    Default: 1e-3 when the server and the trainer compute in float32, 0.1 when either computes in bfloat16 or float16;
+    0: no check"""
 
     # Logging and checkpoints
     logger: str = "print"
@@ -282,6 +289,35 @@ def sampler_logprobs(records: list[dict], idx: list[int], n_comp: list[int], mas
     T = mask.shape[1]
     rows = [records[i]["logprobs"][: n_comp[i]] for i in idx]
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], dtype=torch.float32, device=mask.device)
+
+
+# The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
+# weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
+# loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
+# is numerics alone: about 2e-7 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
+# other rounding). The default limits sit far above those and far below a policy of other weights.
+MISMATCH_LIMITS = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1}
+
+
+def logprob_mismatch_limit(flag: Optional[float], dtypes: list[str]) -> float:
+    """The limit in force: --max-logprob-mismatch when given (0: no check), else the default of the coarsest of
+    `dtypes`, the server's dtype and the trainer's compute dtype (one bfloat16 end makes a bfloat16 run)."""
+    if flag is not None:
+        return flag
+    return max(MISMATCH_LIMITS.get(dtype, MISMATCH_LIMITS["bfloat16"]) for dtype in dtypes)
+
+
+def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: int, transport: str) -> None:
+    """Stop the run when the tokens of `step` sampled by `version`, the weights this trainer pushed last and still
+    holds, differ from the trainer's logprobs by more than `limit` per token on average (`mismatch`): the server
+    does not compute with those weights. Called before the step's update; nan (no such token) and limit 0 pass."""
+    if limit > 0 and mismatch > limit:
+        raise RuntimeError(
+            f"step {step}: the server sampled version {version} (this trainer's last push, over the {transport} "
+            f"transport) with logprobs {mismatch:.4g} per token away from this trainer's, over "
+            f"--max-logprob-mismatch {limit:g}: the server does not compute with the weights pushed (a push that "
+            "did not take, or another process changed its weights)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -625,6 +661,8 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
 
 if __name__ == "__main__":
     args = parse_args()  # before the heavy imports: --help is instant
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     run_args = dataclasses.asdict(args)  # saved with every checkpoint
     check_run_files(args, args.rollout_log)
     ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
@@ -703,6 +741,10 @@ if __name__ == "__main__":
     if args.verify_sync:
         verify_weights(sync, model)
     print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
+    # the sampler's policy check: the limit for the dtypes both ends compute in (our autocast on GPU)
+    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], trainer_dtype])
+    current = True  # the learner holds the weights of its last push (`version`): records of that version are fresh
 
     start_time = time.time()
     first_step = step
@@ -809,11 +851,15 @@ if __name__ == "__main__":
                 break
             loss.backward()
             stats["loss"] += loss.item()
+        mismatch = mismatch_sum / fresh_tokens if fresh_tokens else float("nan")  # nan: no record of lag 0 trained
+        if current and not bad:  # before the update: records sampled by weights we do not hold teach nothing
+            check_logprob_mismatch(mismatch, limit, step + 1, version, "collective")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if bad or not torch.isfinite(grad_norm):  # no update (the push below still marks the step)
-            print(f"WARNING: non-finite loss or gradient at step {step}: update skipped", flush=True)
-        else:
+        updated = not bad and torch.isfinite(grad_norm).item()
+        if updated:
             optimizer.step()
+        else:  # no update (the push below still marks the step)
+            print(f"WARNING: non-finite loss or gradient at step {step}: update skipped", flush=True)
         step += 1
 
         # 4) push the weights to every server: a new version
@@ -823,6 +869,9 @@ if __name__ == "__main__":
             sync_s = push_weights(sync, model, version)
             if args.verify_sync:
                 verify_weights(sync, model)
+            current = True
+        elif updated:  # records of `version` now come from weights we no longer hold: lag 0 by number, stale in fact
+            current = False
 
         # 5) log, checkpoint
         step_s = time.time() - t0
@@ -839,7 +888,7 @@ if __name__ == "__main__":
             "frac_reward_zero_std": sum(zero_std) / B,
             "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
             "ratio": stats.get("ratio_sum", T_all) / T_all,
-            "logprob_mismatch": mismatch_sum / max(1, fresh_tokens),
+            "logprob_mismatch": mismatch,
             "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
             "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
             "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),

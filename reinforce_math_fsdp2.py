@@ -119,6 +119,11 @@ class Args:
     connection to the server)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the gathered weights"""
+    max_logprob_mismatch: Optional[float] = None
+    """stop the run when the tokens of a step sampled by the weights this trainer pushed last and still holds differ
+    from its own logprobs by more than this per token on average: the server does not compute with the weights pushed.
+    Default: 1e-3 when the server and the trainer compute in float32, 0.1 when either computes in bfloat16 or float16;
+    0: no check"""
 
     # Grading
     grade_timeout_s: float = 5.0
@@ -293,6 +298,35 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
     T = mask.shape[1]
     rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+# The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
+# weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
+# loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
+# is numerics alone: about 2e-7 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
+# other rounding). The default limits sit far above those and far below a policy of other weights.
+MISMATCH_LIMITS = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1}
+
+
+def logprob_mismatch_limit(flag: Optional[float], dtypes: list[str]) -> float:
+    """The limit in force: --max-logprob-mismatch when given (0: no check), else the default of the coarsest of
+    `dtypes`, the server's dtype and the trainer's compute dtype (one bfloat16 end makes a bfloat16 run)."""
+    if flag is not None:
+        return flag
+    return max(MISMATCH_LIMITS.get(dtype, MISMATCH_LIMITS["bfloat16"]) for dtype in dtypes)
+
+
+def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: int, transport: str) -> None:
+    """Stop the run when the tokens of `step` sampled by `version`, the weights this trainer pushed last and still
+    holds, differ from the trainer's logprobs by more than `limit` per token on average (`mismatch`): the server
+    does not compute with those weights. Called before the step's update; nan (no such token) and limit 0 pass."""
+    if limit > 0 and mismatch > limit:
+        raise RuntimeError(
+            f"step {step}: the server sampled version {version} (this trainer's last push, over the {transport} "
+            f"transport) with logprobs {mismatch:.4g} per token away from this trainer's, over "
+            f"--max-logprob-mismatch {limit:g}: the server does not compute with the weights pushed (a push that "
+            "did not take, or another process changed its weights)"
+        )
 
 
 # TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
@@ -928,6 +962,9 @@ if __name__ == "__main__":
         time.sleep(0 if rank == 0 else 5)
         dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
         raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        time.sleep(0 if rank == 0 else 5)
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     import logging
     import random
 
@@ -1028,6 +1065,9 @@ if __name__ == "__main__":
     if rank == 0:
         sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
+    # the sampler's policy check: the limit for the dtypes both ends compute in, the same on every rank
+    served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, args.param_dtype])
 
     def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
         rows = test[rank::world_size]
@@ -1084,6 +1124,8 @@ if __name__ == "__main__":
             for row, res, seed in zip(rows, results, seeds, strict=True)
             for j, completion in enumerate(res["completions"])
         ]
+        # fresh: sampled by the version pushed last, which the trainer holds (it pushes after every step)
+        fresh = all(sample.completion["versions"] == [version] for sample in samples)
         # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
         grades = grade_batch(
             [sample.completion["text"] for sample in samples],
@@ -1139,6 +1181,12 @@ if __name__ == "__main__":
                 vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
                 mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
                 entropy_sum += entropy.sum().item()
+        # the sampler's policy check, before the update: the step's figure over every rank's tokens (one small
+        # all-reduce), so that all ranks reach the same verdict and stop together
+        mismatch_all, fed_all, stale_ranks = all_sum(mismatch_sum, sum(n_comp[i] for i in fed), float(not fresh))
+        if stale_ranks == 0:
+            step_mismatch = mismatch_all / fed_all if fed_all else float("nan")
+            check_logprob_mismatch(step_mismatch, limit, step + 1, version, "collective")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
         if math.isfinite(grad_norm):  # every rank sees the same (global) norm, so all skip or none does

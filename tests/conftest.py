@@ -119,6 +119,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 SERVER_LOGS: dict[str, str] = {}  # url -> log file of a server started by a fixture
+CHECKPOINT_ROOTS: dict[str, str] = {}  # url -> --checkpoint-root of a server started by a fixture
 
 
 @pytest.fixture(scope="session")
@@ -138,8 +139,10 @@ def toy(toy_model, tmp_path_factory, request) -> ToyServer:
     it learns on CPU: every gold answer is 7 and `\\boxed{7}` is one token of a 128-token vocabulary, so a random
     policy is right ~5% of the time, rewards vary from the first step and gradients are not all zero."""
     log = str(tmp_path_factory.mktemp(request.module.__name__ + "_server") / "server.log")
-    proc, url = start_server(toy_model, log)
+    root = str(tmp_path_factory.mktemp(request.module.__name__ + "_root"))  # what its /load_checkpoint may read
+    proc, url = start_server(toy_model, log, "--checkpoint-root", root)
     SERVER_LOGS[url] = log
+    CHECKPOINT_ROOTS[url] = root
     yield ToyServer(url=url, model=toy_model)
     stop_server(proc)
 
@@ -375,3 +378,98 @@ def worst_logprob_gap(module, model, prompts: list[list[int]], results: list[dic
         want = torch.tensor([x for i in idx for x in server_lp[i]])
         worst = max(worst, (flat - want).abs().max().item())
     return worst
+
+
+# ---------------------------------------------------------------------------------------------------
+# A server whose weights change behind the trainer's back (the sampler's policy check, --max-logprob-mismatch)
+
+
+def other_weights(model_path: str, path: str) -> str:
+    """Save the model's weights x 1.25 (the names and shapes a push sends: no tied lm_head) as one safetensors file
+    at `path`: weights a server takes like the trainer's, but another policy. Returns `path`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    save_file({n: (p.detach() * 1.25).contiguous() for n, p in model.named_parameters()}, path)
+    return path
+
+
+def load_behind(url: str, path: str, version: int) -> None:
+    """Another process's weights: the server loads the checkpoint at `path` (under its --checkpoint-root) and labels
+    it `version`, the trainer's own number. A 409 (the trainer's push still finishing) is retried."""
+    for _ in range(100):
+        r = requests.post(url + "/load_checkpoint", json={"path": path, "version": version}, timeout=120)
+        if r.status_code != 409:
+            break
+        time.sleep(0.1)
+    assert r.ok and r.json()["version"] == version, r.text
+
+
+def server_version(url: str) -> int:
+    return requests.get(url + "/runtime_version", timeout=30).json()["version"]
+
+
+def run_changed_behind(cmd: list, cwd, rollout_log, pushed, change, timeout: float = 600) -> tuple[int, str]:
+    """Run a training script whose --rollout-log is `rollout_log`, made a FIFO here, and change the server's weights
+    between the trainer's push of step 1 and its sampling of step 2, whatever the speed of either side. The script
+    appends to its rollout log after its push and before it samples again, and opening a FIFO to write waits until a
+    reader opens it: once `pushed()` says the server holds the step's push, `change()` runs, and only then does this
+    side open the FIFO. It then unlinks the FIFO (later steps write a plain file) and reads it until the script exits
+    (an open reader: no writer can wait on it). Returns the script's exit code and output."""
+    import threading
+
+    os.mkfifo(rollout_log)
+    log_path = os.path.join(cwd, "run.log")
+    proc = start_logged(cmd, log_path, cwd=cwd, start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while not pushed():
+            assert proc.poll() is None and time.time() < deadline, log_tail(log_path)
+            time.sleep(0.2)
+        change()
+        fd = os.open(rollout_log, os.O_RDONLY | os.O_NONBLOCK)  # the script's open (now or later) goes through
+        os.unlink(rollout_log)
+
+        def drain():
+            while proc.poll() is None:
+                try:
+                    if os.read(fd, 1 << 16):
+                        continue
+                except BlockingIOError:
+                    pass
+                time.sleep(0.05)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+        reader.join()
+        os.close(fd)
+        return proc.returncode, Path(log_path).read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+STOPPED = re.compile(
+    r"RuntimeError: step (\d+): the server sampled version (\d+) \(this trainer's last push, over the (\S+) "
+    r"transport\) with logprobs (\S+) per token away from this trainer's, over --max-logprob-mismatch (\S+):"
+)
+
+
+class Stop(NamedTuple):  # what the error of the sampler's policy check names
+    step: int
+    version: int
+    transport: str
+    mismatch: float
+    limit: float
+
+
+def stopped_by_the_check(output: str) -> Stop | None:
+    """The step, version, transport, figure and limit the sampler's policy check stopped a run with, or None."""
+    m = STOPPED.search(output)
+    if m is None:
+        return None
+    return Stop(int(m[1]), int(m[2]), m[3], float(m[4]), float(m[5]))

@@ -13,6 +13,7 @@ import requests
 import torch
 
 from conftest import (
+    CHECKPOINT_ROOTS,
     FIXTURES,
     GAP_PROMPTS,
     PY,
@@ -21,15 +22,20 @@ from conftest import (
     assert_seed_streams_distinct,
     free_port,
     import_script,
+    load_behind,
     load_weights,
     max_abs_diff,
     metrics_of,
     naive_advantages,
+    other_weights,
     read_jsonl,
+    run_changed_behind,
     run_ok,
     server_matches,
+    server_version,
     start_server,
     stop_server,
+    stopped_by_the_check,
     worst_logprob_gap,
 )
 
@@ -183,10 +189,9 @@ def test_pack_micro_batches():
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
-def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
-    """The script in `workdir` against the server at `url`: one small step's worth of rollouts by default. Returns
-    its stdout and its metrics (one dict per step)."""
-    cmd = [
+def script_cmd(url, *extra, model, dataset="gsm8k_toy") -> list:
+    """The command line of the script against the server at `url`: one small step's worth of rollouts by default."""
+    return [
         PY,
         os.path.join(ROOT, SCRIPT),
         "--model",
@@ -212,8 +217,13 @@ def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
         "--keep-eval-overlap",  # the toy set's test problems are among its training problems (8 sums in all)
         *extra,
     ]
+
+
+def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
+    """The script in `workdir` against the server at `url` (script_cmd). Returns its stdout and its metrics (one dict
+    per step)."""
     os.makedirs(workdir, exist_ok=True)
-    r = run_ok(cmd, cwd=workdir, timeout=timeout)
+    r = run_ok(script_cmd(url, *extra, model=model, dataset=dataset), cwd=workdir, timeout=timeout)
     return r.stdout, metrics_of(r.stdout)
 
 
@@ -576,3 +586,68 @@ def test_help_is_fast():
     r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
     assert re.search(r"--sync-transport \{[a-z,]*shared", r.stdout) and "--vllm-sleep-level" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# the sampler's policy check (--max-logprob-mismatch): a server whose weights change behind the trainer's back
+def changed_behind(toy, workdir, *extra, transport: str = "collective") -> tuple[int, str]:
+    """A 3-step run (a checkpoint every step) during which another process loads other weights into the server
+    (/load_checkpoint, labelled version 1, the trainer's own number) between the trainer's push of step 1 and its
+    sampling of step 2 (conftest's run_changed_behind). The server first loads them as version 1000, so that version 1
+    is the trainer's push. Returns the exit code and the output."""
+    root = CHECKPOINT_ROOTS[toy.url]
+    other = other_weights(toy.model, os.path.join(root, f"other_{os.path.basename(workdir)}.safetensors"))
+    load_behind(toy.url, other, 1000)
+    if transport == "shared":
+        extra += ("--sync-transport", "shared")
+    if transport == "checkpoint":  # its files inside the server's root
+        extra += (
+            "--sync-transport",
+            "checkpoint",
+            "--sync-dir",
+            os.path.join(root, f"sync_{os.path.basename(workdir)}"),
+        )
+    fifo = os.path.join(workdir, "rollouts.jsonl")
+    cmd = script_cmd(toy.url, "--train-steps", "3", "--save-every", "1", "--rollout-log", fifo, *extra, model=toy.model)
+    return run_changed_behind(
+        cmd,
+        workdir,
+        fifo,
+        pushed=lambda: server_version(toy.url) == 1,
+        change=lambda: load_behind(toy.url, other, 1),
+    )
+
+
+@pytest.mark.parametrize("transport", ["collective", "shared", "checkpoint"])
+def test_weights_changed_behind_the_trainer_stop_the_run(toy, tmp_path, transport):
+    """Step 2 samples with weights another process loaded under the version the trainer pushed last: a fresh step
+    whose logprobs stray from the trainer's. The run stops there, before step 2's update (no step-2 metrics, no step-2
+    checkpoint), with an error naming the step, the version, the transport and the figure (far over fp32's default
+    limit 1e-3); step 1, sound, logged a figure far below it."""
+    code, out = changed_behind(toy, tmp_path, transport=transport)
+    stop = stopped_by_the_check(out)
+    print(stop)
+    assert code != 0 and stop is not None, out[-3000:]
+    assert stop[:3] == (2, 1, transport) and stop.limit == 1e-3 and stop.mismatch > 1e-2, stop
+    m = metrics_of(out)
+    assert [x["version"] for x in m] == ["1"] and float(m[0]["logprob_mismatch"]) < 1e-5, m
+    assert os.listdir(tmp_path / "ckpt") == ["step_1"]
+
+
+def test_max_logprob_mismatch_0_turns_the_check_off(toy, tmp_path):
+    """The same change with --max-logprob-mismatch 0: the run goes on to its end, and step 2 logs the figure the check
+    would have stopped it at (the control of the test above: the check, not something else, stopped those runs)."""
+    code, out = changed_behind(toy, tmp_path, "--max-logprob-mismatch", "0")
+    m = metrics_of(out)
+    assert code == 0 and stopped_by_the_check(out) is None, out[-3000:]
+    assert [x["version"] for x in m] == ["1", "2", "3"] and float(m[1]["logprob_mismatch"]) > 1e-2, m
+
+
+def test_stale_steps_are_not_checked(toy, tmp_path):
+    """--sync-every-steps 2: step 2 samples the version pushed before step 1, which the trainer no longer holds. Its
+    figure measures step 1's update (lr 3e-2: far over the limit 1e-3), and the run goes on: a stale step by design
+    is not checked. Step 1, fresh and sound, is."""
+    extra = ("--train-steps", "2", "--sync-every-steps", "2", "--learning-rate", "3e-2", "--rollouts-per-update", "16")
+    _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
+    assert [x["version"] for x in m] == ["0", "1"], m
+    assert float(m[0]["logprob_mismatch"]) < 1e-5 and float(m[1]["logprob_mismatch"]) > 1e-3, m

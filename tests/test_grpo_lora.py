@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_grpo_gsm8k import run_script
+from test_grpo_gsm8k import run_script, script_cmd
 
 from conftest import (
     FIXTURES,
@@ -25,11 +25,14 @@ from conftest import (
     import_script,
     load_weights,
     max_abs_diff,
+    metrics_of,
     read_jsonl,
+    run_changed_behind,
     run_ok,
     server_matches,
     start_server,
     stop_server,
+    stopped_by_the_check,
     worst_logprob_gap,
 )
 
@@ -295,8 +298,7 @@ def test_every_transport_and_lora_sync(request, toy, checkpoint_root, tmp_path, 
     extra = ("--train-steps", "2", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
     extra += ("--lora-sync", lora_sync)  # (8 prompts x 8: no step without a reward, so every step moves the adapter)
     extra += ("--sync-transport", transport, "--sync-dir", str(checkpoint_root / f"sync_{transport}_{lora_sync}"))
-    if lora_sync == "merged":
-        extra += ("--verify-sync",)
+    extra += ("--verify-sync",)  # merged: checksums; adapter: the server's logprobs of a probe (verify_adapter)
     before = set(os.listdir("/dev/shm"))
     out, m = run_script(url, tmp_path, *extra, model=toy.model)
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
@@ -487,3 +489,50 @@ def test_adapter_sync_with_start_server(toy_model, tmp_path):
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
     rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
     assert [{v for r in rollouts if r["step"] == s for v in r["versions"]} for s in (1, 2)] == [{0}, {1}]
+
+
+def test_verify_sync_of_an_adapter_compares_logprobs(toy, lora_server, tmp_path):
+    """--verify-sync with --lora-sync adapter (verify_adapter): right after a push the server's logprobs of a few
+    tokens it samples with the adapter equal the trainer's (the figure is far below fp32's limit 1e-3); with adapter
+    weights the server was never given, far over it; an answer from another adapter version is an error."""
+    import tyro
+
+    model, peft_model = lora_model(toy.model, seed=0)
+    args = tyro.cli(G.Args, args=["--max-completion-tokens", "16"])
+    G.push_adapter(lora_server, peft_model, 11, str(tmp_path))
+    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0) < 1e-5
+    with torch.no_grad():  # adapter weights the server does not hold
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0) > 1e-2
+    with pytest.raises(RuntimeError, match="not the version 12 just pushed"):
+        G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 12, args, pad_id=0)
+
+
+def test_an_adapter_changed_behind_the_trainer_stops_the_run(lora_server, toy_model, tmp_path):
+    """--lora-sync adapter: between the trainer's adapter push of step 1 and its sampling of step 2, another process
+    loads another adapter under the name and version the trainer pushed (/update_adapter, conftest's
+    run_changed_behind). Step 2 is fresh and its logprobs stray: the run stops there, before step 2's update, naming
+    the step, the version, the adapter transport and the figure."""
+    import requests
+
+    _, other = lora_model(toy_model, seed=1)
+    other.save_pretrained(tmp_path / "other_adapter")
+    fifo = str(tmp_path / "rollouts.jsonl")
+    extra = ("--train-steps", "3", "--save-every", "1", "--learning-rate", "3e-2", *LORA, "--lora-sync", "adapter")
+    cmd = script_cmd(lora_server, *extra, "--rollout-log", fifo, model=toy_model)
+
+    def change():
+        body = {"name": "policy", "path": str(tmp_path / "other_adapter"), "version": 1}
+        assert requests.post(lora_server + "/update_adapter", json=body, timeout=120).json()["version"] == 1
+
+    adapters = tmp_path / "lora_adapters"
+    code, out = run_changed_behind(
+        cmd, tmp_path, fifo, pushed=lambda: adapters.is_dir() and os.listdir(adapters) == ["v1"], change=change
+    )
+    stop = stopped_by_the_check(out)
+    print(stop)
+    assert code != 0 and stop is not None, out[-3000:]
+    assert stop[:3] == (2, 1, "adapter") and stop.mismatch > 1e-2, stop
+    assert [x["version"] for x in metrics_of(out)] == ["1"] and os.listdir(tmp_path / "ckpt") == ["step_1"]

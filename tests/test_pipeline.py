@@ -24,6 +24,7 @@ import requests
 import torch
 
 from conftest import (
+    CHECKPOINT_ROOTS,
     FIXTURES,
     PY,
     ROOT,
@@ -31,13 +32,16 @@ from conftest import (
     assert_learned,
     free_port,
     import_script,
+    load_behind,
     log_tail,
     logprob_gap,
     metrics_of,
+    other_weights,
     read_jsonl,
     run_ok,
     server_matches,
     start_logged,
+    stopped_by_the_check,
 )
 
 ACTOR = "pipeline_actor.py"
@@ -398,6 +402,7 @@ def test_max_lag_drops_stale_records(toy, rds, tmp_path):
     )
     rows = rollouts(tmp_path / "big")
     assert m[0]["dropped_total"] == "0" and m[0]["trained_total"] == "16" and m[0]["lag_hist"] == "1:16"
+    assert m[0]["logprob_mismatch"] == "nan"  # no record of lag 0: nothing to compare (and nothing was checked)
     assert len(rows) == 16 and all(x["status"] == "trained" and x["id"].startswith("old/") for x in rows)
 
     # sampled at temperature 0.7: the learner's logprobs must follow it to agree with the fresh records'
@@ -440,7 +445,8 @@ def test_max_lag_drops_stale_records(toy, rds, tmp_path):
     assert all(x["lag"] > 0 for x in dropped) and all(x["lag"] == 0 for x in trained) and len(trained) == 32
     assert int(m[-1]["dropped_total"]) == len(dropped) == sum(int(x["dropped"]) for x in m)
     assert any(x["version_min"] == x["version_max"] for x in trained)  # sampled by exactly the learner's weights:
-    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m  # the learner's logprobs equal the sampler's
+    figures = [float(x["logprob_mismatch"]) for x in m]  # the learner's logprobs equal the sampler's (nan: a step
+    assert all(f < 1e-4 for f in figures if not math.isnan(f)) and not all(map(math.isnan, figures)), m  # of none)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -608,7 +614,8 @@ def test_two_servers_one_tensor_parallel_receive_the_same_weights(toy, rds, tp2_
         assert (
             Path(SERVER_LOGS[url2]).read_text().count("POST /generate") > served_before
         )  # the actor used both servers
-        assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m  # the TP server samples the learner's policy
+        # the TP server samples the learner's policy (nan: a step without a record of lag 0)
+        assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m if x["logprob_mismatch"] != "nan"), m
     finally:
         kill_actor(actor)
 
@@ -629,3 +636,39 @@ def test_actor_waits_for_redis(toy, tmp_path):
         if proc is not None:
             proc.terminate()
             proc.wait(10)
+
+
+def test_weights_changed_behind_the_learner_stop_it(toy, rds, tmp_path):
+    """7. Another process loads other weights into the server under the version the learner pushed at its start, and
+    only then does an actor sample: every record has lag 0 and one version, the learner's, yet comes from other
+    weights. The learner stops at step 1, before its update, naming the step, the version, the transport and the
+    figure; a run with the check off (--max-logprob-mismatch 0) trains on the same kind of records to its end."""
+    url, model = toy
+    other = other_weights(model, os.path.join(CHECKPOINT_ROOTS[url], "other_pipeline.safetensors"))
+    log = tmp_path / "learner.log"
+    for key, extra in [("behind", ()), ("behind_off", ("--max-logprob-mismatch", "0"))]:
+        learner = start_logged(
+            learner_cmd([url], model, rds.url, key, "--train-steps", "1", "--batch-size", "16", *extra),
+            log,
+            cwd=tmp_path,
+        )
+        try:
+            wait_for(log, "as version", learner)
+            version = int(re.search(r"as version (\d+)", log.read_text())[1])
+            load_behind(url, other, version)  # the learner's own number
+            prefill([url], rds.url, key, "x", 2, tmp_path)  # 16 records of that version, sampled by other weights
+            code = learner.wait(300)
+        finally:
+            if learner.poll() is None:
+                learner.kill()
+        out = log.read_text()
+        stop = stopped_by_the_check(out)
+        print(key, stop)
+        if not extra:
+            assert code != 0 and stop is not None, out[-3000:]
+            assert stop[:3] == (1, version, "collective") and stop.limit == 1e-3 and stop.mismatch > 1e-2, stop
+            assert metrics_of(out) == []
+        else:
+            m = metrics_of(out)
+            assert code == 0 and stop is None and m[0]["lag_hist"] == "0:16", out[-3000:]
+            assert float(m[0]["logprob_mismatch"]) > 1e-2, m

@@ -15,19 +15,25 @@ import pytest
 import torch
 
 from conftest import (
+    CHECKPOINT_ROOTS,
     FIXTURES,
     PY,
     ROOT,
     assert_seed_streams_distinct,
     free_port,
     import_script,
+    load_behind,
     load_weights,
     logprob_gap,
     max_abs_diff,
     metrics_of,
     naive_advantages,
+    other_weights,
     read_jsonl,
+    run_changed_behind,
     server_matches,
+    server_version,
+    stopped_by_the_check,
 )
 
 SCRIPT = "reinforce_math_fsdp2.py"
@@ -174,28 +180,12 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None):
-    """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
-    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
-    `data` and `eval_data`: the training and evaluation sets (default: the toy set for both, its overlap kept).
-    Returns the launchers' stdout and stderr together, and the metrics (one dict per step)."""
+def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> list:
+    """The script and its arguments against the server at `url` (fp32), for a launcher to run. `data` and
+    `eval_data`: the training and evaluation sets (default: the toy math set for both, its overlap kept)."""
     toy_data = data is None
     data = data or os.path.join(FIXTURES, "math_toy")
-    launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
-    if nodes > 1:
-        rdzv = f"127.0.0.1:{free_port()}"
-        launch = [
-            [
-                TORCHRUN,
-                f"--nnodes={nodes}",
-                f"--node-rank={n}",
-                f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv}",
-            ]
-            for n in range(nodes)
-        ]
-    cmd = [
+    return [
         os.path.join(ROOT, SCRIPT),
         "--model",
         model,
@@ -225,6 +215,28 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eva
         *(["--keep-eval-overlap"] if toy_data else []),  # the toy set's test problems are among its training problems
         *extra,
     ]
+
+
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None):
+    """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
+    "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
+    `data` and `eval_data`: as script_args. Returns the launchers' stdout and stderr together, and the metrics (one
+    dict per step)."""
+    launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
+    if nodes > 1:
+        rdzv = f"127.0.0.1:{free_port()}"
+        launch = [
+            [
+                TORCHRUN,
+                f"--nnodes={nodes}",
+                f"--node-rank={n}",
+                f"--nproc-per-node={nproc}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv}",
+            ]
+            for n in range(nodes)
+        ]
+    cmd = script_args(url, model, *extra, lr=lr, data=data, eval_data=eval_data)
     os.makedirs(workdir, exist_ok=True)
     with contextlib.ExitStack() as files:  # the launchers' output goes to files: no pipe fills up
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in launch]
@@ -456,3 +468,28 @@ def test_never_trains_on_an_evaluation_problem(toy, tmp_path):
     assert f"training problems: 12 in {data}, 4 of them evaluation problems: dropped" in out and len(m) == 2
     trained = [x["problem"] for x in rollout_log(workdir, 0)]
     assert len(trained) == 2 * 4 * 8 and sorted(set(trained)) == sorted(r["problem"] for r in others)
+
+
+def test_weights_changed_behind_the_trainer_stop_the_run(toy, tmp_path):
+    """Another process loads other weights into the server under the version the trainer pushed last, between its
+    push of step 1 and its sampling of step 2 (conftest's run_changed_behind; one process, fp32): step 2 is fresh and
+    its logprobs stray from the trainer's, so the run stops there, before step 2's update, naming the step, the
+    version, the transport and the figure."""
+    root = CHECKPOINT_ROOTS[toy.url]
+    other = other_weights(toy.model, os.path.join(root, "other_fsdp.safetensors"))
+    load_behind(toy.url, other, 1000)  # so that version 1 is the trainer's push
+    fifo = str(tmp_path / "rollouts.jsonl")
+    cmd = [
+        PY,
+        *script_args(toy.url, toy.model, "--train-steps", "3", "--rollouts-per-update", "2", "--rollout-log", fifo),
+    ]
+    code, out = run_changed_behind(
+        cmd, tmp_path, fifo, pushed=lambda: server_version(toy.url) == 1, change=lambda: load_behind(toy.url, other, 1)
+    )
+    stop = stopped_by_the_check(out)
+    print(stop)
+    assert code != 0 and stop is not None, out[-3000:]
+    assert stop[:3] == (2, 1, "collective") and stop.limit == 1e-3 and stop.mismatch > 1e-2, stop
+    m = metrics_of(out)
+    assert [x["version"] for x in m] == ["1"] and float(m[0]["logprob_mismatch"]) < 1e-5, m
+    assert os.listdir(tmp_path / CKPT) == ["step_1"]
