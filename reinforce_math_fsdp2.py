@@ -939,6 +939,9 @@ if __name__ == "__main__":
         time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
         raise
 
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        time.sleep(0 if rank == 0 else 5)
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
         if value is not None and value < 1:
             time.sleep(0 if rank == 0 else 5)
@@ -962,9 +965,6 @@ if __name__ == "__main__":
         time.sleep(0 if rank == 0 else 5)
         dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
         raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
-    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-        time.sleep(0 if rank == 0 else 5)
-        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     import logging
     import random
 
