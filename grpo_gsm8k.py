@@ -1340,7 +1340,8 @@ def parse_args() -> Args:
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
     """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
     log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
-    appends to its rollout log. The rollout log's folder is created."""
+    appends to its rollout log. A pipe or a device (a FIFO another process reads, /dev/stdout) is no old log: it is
+    taken. The rollout log's folder is created."""
     if args.keep_checkpoints < 0:
         raise SystemExit(f"--keep-checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
     if not args.resume and checkpoint_steps(args.checkpoint_dir):
@@ -1348,7 +1349,7 @@ def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
             f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints of another run: --resume to continue it, or "
             "choose another --checkpoint-dir"
         )
-    if rollout_log and not args.resume and os.path.exists(rollout_log):
+    if rollout_log and not args.resume and os.path.isfile(rollout_log) and os.path.getsize(rollout_log):
         raise SystemExit(
             f"the rollout log {rollout_log} exists (another run's rollouts): --resume to continue that run, or choose "
             "another --rollout-log, or move the file"

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import PY, ROOT, SyncClient, load_weights, sha256, start_server, stop_server
+from conftest import FIXTURES, PY, ROOT, SyncClient, load_weights, sha256, start_server, stop_server
 from tiny_model import build_tiny_model
 
 sys.path.insert(0, ROOT)
@@ -259,7 +259,15 @@ def test_sleep_mode_on_cpu_is_refused_at_start(tmp_path):
     """vLLM sleeps on GPUs only (the server drops --enable-sleep-mode on CPU): a trainer asked to sleep it says so at
     start, before it loads anything, not with an error of torch.cuda at its first step."""
     r = subprocess.run(
-        [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--vllm-sleep-level", "1"],
+        [
+            PY,
+            os.path.join(ROOT, "grpo_gsm8k.py"),
+            "--vllm-sleep-level",
+            "1",
+            "--dataset",
+            os.path.join(FIXTURES, "gsm8k_toy"),
+            "--keep-eval-overlap",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
