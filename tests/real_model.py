@@ -4,7 +4,7 @@ this module saves that as an ordinary float32 checkpoint (safetensors, config, t
 outside the repository, which every later run reuses. The weights are the quantised model's: a weaker model than the
 published one, the same architecture (LlamaForCausalLM, 134.5M parameters, tied embeddings, ChatML).
 
-  python tests/real_model.py  # convert now (about 40 s, 2.2 GB peak) and print the directory
+  python tests/real_model.py  # convert now (about 25 s on 2 cores, 1.7 GB peak) and print the directory
 
 The directory: $CLEANRLVR_REAL_MODEL_DIR, or else ~/.cache/cleanrlvr/smollm2-135m-instruct-f32. A conversion writes
 into a temporary directory beside it, writes its marker file last, then renames it into place: a conversion that was
