@@ -14,7 +14,7 @@ VENV=${VENV:-.venv}
 PY="$ROOT/$VENV/bin/python"
 [[ "$VENV" = /* ]] && PY="$VENV/bin/python"
 OUT=${DEMO_DIR:-$ROOT/demo_cpu}
-bash tests/setup_cpu.sh --no-redis  # (the demo needs no Redis)
+bash tests/setup_cpu.sh --demo  # (no Redis, no real model: the demo needs neither)
 mkdir -p "$OUT"
 rm -rf "$OUT/rollouts.jsonl" "$OUT/train.log" "$OUT/checkpoints"  # a fresh run: the script refuses an earlier one's files
 "$PY" tests/tiny_model.py "$OUT/toy_model" --toy >/dev/null
