@@ -485,3 +485,30 @@ def stopped_by_the_check(output: str) -> Stop | None:
     if m is None:
         return None
     return Stop(int(m[1]), int(m[2]), m[3], float(m[4]), float(m[5]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the end of the run: nothing a test left behind may hold the exit
+
+
+EXIT_GRACE_S = 120  # how long pytest may take to exit after its summary (atexit: the grading pools stop)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Name what the tests left running (threads the interpreter joins at exit, child processes), and bound the exit:
+    should it take over EXIT_GRACE_S seconds, every thread's stack is printed and the run ends with status 1, a failure
+    with its cause, not a run that hangs until CI's limit."""
+    import faulthandler
+    import threading
+
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    children = []
+    for d in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{d}/stat").read_text()
+            if d.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                cmdline = Path(f"/proc/{d}/cmdline").read_bytes()[:120].replace(b"\0", b" ").decode()
+                children.append(f"{d} {cmdline}")
+    if threads or children:
+        print(f"\nleft running at the end of the run: threads {threads}, child processes {children}", file=sys.stderr)
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
