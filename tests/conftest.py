@@ -140,6 +140,18 @@ def real_model() -> str:
         pytest.fail(str(e))
 
 
+@pytest.fixture
+def process_hooks(monkeypatch) -> dict:
+    """For a test that calls a script's start_vllm_server with subprocess.Popen replaced by a fake server (pid 0) that
+    exits at once: the clean-up the script installs for the server it launched (an atexit stop_server, SIGINT and
+    SIGTERM handlers) is recorded here, not installed in pytest's own process. Installed, it would run at pytest's exit
+    and send SIGKILL to process group 0: pytest's own, and the shell that started it (exit status 137)."""
+    hooks = {"atexit": [], "signal": {}}
+    monkeypatch.setattr("atexit.register", lambda f, *a, **kw: hooks["atexit"].append(f) or f)
+    monkeypatch.setattr("signal.signal", lambda signum, handler: hooks["signal"].__setitem__(signum, handler))
+    return hooks
+
+
 class ToyServer(NamedTuple):
     url: str
     model: str  # the path of the model the server started with

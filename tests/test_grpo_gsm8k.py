@@ -3,6 +3,7 @@ vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the sc
 
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -147,7 +148,7 @@ def test_rollout_seeds_are_distinct_by_construction():
     assert max(G.rollout_seed(2**23 - 1, 10**9, 64), G.eval_seed(2**23 - 1, 10**9)) < 2**63
 
 
-def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_path):
+def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_path, process_hooks):
     """--vllm-gpu counts among this process's visible GPUs, as torch does: with CUDA_VISIBLE_DEVICES=4,5 the server
     gets GPU 4 (not the machine's GPU 0, outside the user's set), with 1,0 and --vllm-gpu 1 it gets GPU 0."""
     import tyro
@@ -174,6 +175,9 @@ def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_
         with pytest.raises(RuntimeError, match="exited"):
             G.start_vllm_server(args, str(tmp_path / "server.log"))
         assert launched[-1] == want, (visible, gpu, launched)
+    # each launch left its clean-up: the server stopped at exit, and on SIGINT and SIGTERM (recorded, not installed)
+    assert [f.__name__ for f in process_hooks["atexit"]] == ["stop_server"] * 3
+    assert sorted(process_hooks["signal"]) == sorted([signal.SIGINT, signal.SIGTERM])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(SystemExit, match="1 GPU"):
         G.physical_gpu(1)
@@ -544,7 +548,7 @@ def test_checkpoint_transport(toy_model, tmp_path):
     assert saved.keys() == step_2.keys() and max_abs_diff(saved, step_2) == 0
 
 
-def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch, tmp_path):
+def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch, tmp_path, process_hooks):
     """With --sync-transport checkpoint, --start-server gives the server --checkpoint-root = --sync-dir, absolute."""
     import tyro
 

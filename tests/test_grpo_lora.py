@@ -436,7 +436,7 @@ def test_vllm_lora_rank_is_one_vllm_takes():
         G.vllm_lora_rank(513)
 
 
-def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path):
+def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path, process_hooks):
     """--start-server with --lora-sync adapter launches the server with --enable-lora --max-lora-rank R (the rank
     rounded up to one vLLM takes; the user's own flags win), and with --lora-sync merged without them. Sharing the GPU,
     vLLM then sleeps at level 1 by default (its base weights kept), and level 2 is refused."""
