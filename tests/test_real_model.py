@@ -192,8 +192,9 @@ LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 
 @pytest.fixture
 def lora_server(real_model, tmp_path):
-    """A second server of the real model, with vLLM's LoRA on (rank 8 at most), for the one test that needs it (a
-    server with LoRA on wraps every linear layer: the module's server stays without it)."""
+    """A second server of the real model, with vLLM's LoRA on (rank 8 at most), for the one test that needs it. The
+    module's server stays without it: LoRA wraps every linear layer, whose weights /weights_checksum then leaves out,
+    so no checksum comparison of a full push could hold there."""
     proc, url = start_server(
         real_model,
         str(tmp_path / "lora_server.log"),
