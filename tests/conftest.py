@@ -124,9 +124,15 @@ CHECKPOINT_ROOTS: dict[str, str] = {}  # url -> --checkpoint-root of a server st
 
 
 @pytest.fixture(scope="session")
-def toy_model(tmp_path_factory) -> str:
-    """The learnable toy model: a 128-token vocabulary in which each `\\boxed{d}` is one token."""
+def base_toy_model(tmp_path_factory) -> str:
+    """The learnable toy model: a 128-token vocabulary in which each `\\boxed{d}` is one token (what toy_server starts
+    with; a module may give `toy_model` other weights of the same shape)."""
     return build_tiny_model(str(tmp_path_factory.mktemp("toy_model") / "toy"), vocab_size=128, byte_alphabet=False)
+
+
+@pytest.fixture(scope="session")
+def toy_model(base_toy_model) -> str:
+    return base_toy_model
 
 
 @pytest.fixture(scope="session")
@@ -157,27 +163,46 @@ class ToyServer(NamedTuple):
     model: str  # the path of the model the server started with
 
 
-@pytest.fixture(scope="module")
-def toy(toy_model, tmp_path_factory, request) -> ToyServer:
-    """A server of the toy model, one per test module (a module's tests push their weights into it). The toy task
-    it learns on CPU: every gold answer is 7 and `\\boxed{7}` is one token of a 128-token vocabulary, so a random
-    policy is right ~5% of the time, rewards vary from the first step and gradients are not all zero."""
-    log = str(tmp_path_factory.mktemp(request.module.__name__ + "_server") / "server.log")
-    root = str(tmp_path_factory.mktemp(request.module.__name__ + "_root"))  # what its /load_checkpoint may read
-    proc, url = start_server(toy_model, log, "--checkpoint-root", root)
+@pytest.fixture(scope="session")
+def toy_server(base_toy_model, tmp_path_factory) -> ToyServer:
+    """One server of the toy model for the whole run (each start of vLLM costs 20-30 s of a 2-core machine's time);
+    the modules' tests push their weights into it, and `toy` gives it to each module as new. The toy task it learns on
+    CPU: every gold answer is 7 and `\\boxed{7}` is one token of a 128-token vocabulary, so a random policy is right ~5%
+    of the time, rewards vary from the first step and gradients are not all zero."""
+    log = str(tmp_path_factory.mktemp("toy_server") / "server.log")
+    root = str(tmp_path_factory.mktemp("toy_root"))  # what its /load_checkpoint may read
+    proc, url = start_server(base_toy_model, log, "--checkpoint-root", root)
     SERVER_LOGS[url] = log
     CHECKPOINT_ROOTS[url] = root
-    yield ToyServer(url=url, model=toy_model)
+    yield ToyServer(url=url, model=base_toy_model)
     stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def toy(toy_server, toy_model) -> ToyServer:
+    """The run's toy server, as a module's tests found a server of their own: the weights of the module's toy model
+    (an earlier module trained in the server), pushed by the test-side client and checked by checksum, at version 0,
+    with no weight-sync group open."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model, dtype=torch.float32)
+    client = SyncClient(toy_server.url)
+    client.init()
+    done = client.push({n: p.detach() for n, p in model.named_parameters()}, version=0)
+    assert done["status"] == "ok" and done["version"] == 0, done
+    assert requests.post(toy_server.url + "/close_communicator", timeout=60).ok
+    assert server_matches(toy_server.url, toy_model)
+    return ToyServer(url=toy_server.url, model=toy_model)
+
+
 @pytest.fixture(scope="session")
-def tp2_server(toy_model, tmp_path_factory):
+def tp2_server(base_toy_model, tmp_path_factory):
     """A tensor-parallel server (--tensor-parallel-size 2) of the toy model: two CPU workers, one core each
     (VLLM_CPU_OMP_THREADS_BIND="0|1"; without it vLLM refuses two CPU workers on one NUMA node). Started once."""
     log = str(tmp_path_factory.mktemp("tp2_server") / "server.log")
     with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}):
-        proc, url = start_server(toy_model, log, "--tensor-parallel-size", "2", timeout=360)
+        proc, url = start_server(base_toy_model, log, "--tensor-parallel-size", "2", timeout=360)
     SERVER_LOGS[url] = log
     yield url
     stop_server(proc)

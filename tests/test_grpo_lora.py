@@ -14,12 +14,12 @@ import torch
 from test_grpo_gsm8k import run_script, script_cmd
 
 from conftest import (
+    CHECKPOINT_ROOTS,
     FIXTURES,
     GAP_PROMPTS,
     PY,
     ROOT,
     SERVER_LOGS,
-    ToyServer,
     assert_learned,
     free_port,
     import_script,
@@ -65,19 +65,9 @@ def toy_model(toy_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_root(tmp_path_factory) -> Path:
-    """The --checkpoint-root of the module's server of the toy model: --sync-transport checkpoint saves inside it."""
-    return tmp_path_factory.mktemp("checkpoint_root")
-
-
-@pytest.fixture(scope="module")
-def toy(toy_model, checkpoint_root, tmp_path_factory) -> ToyServer:
-    """conftest's server of the toy model (see toy_model), with a --checkpoint-root: every transport reaches it."""
-    log = str(tmp_path_factory.mktemp("lora_toy_server") / "server.log")
-    proc, url = start_server(toy_model, log, "--checkpoint-root", str(checkpoint_root))
-    SERVER_LOGS[url] = log
-    yield ToyServer(url=url, model=toy_model)
-    stop_server(proc)
+def checkpoint_root(toy) -> Path:
+    """The --checkpoint-root of conftest's toy server: --sync-transport checkpoint saves inside it."""
+    return Path(CHECKPOINT_ROOTS[toy.url])
 
 
 def lora_model(path: str, seed: int = 0):
