@@ -574,7 +574,7 @@ def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch
     assert "--checkpoint-root" not in launched[1]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [2, 3])  # seed 1, the default, is the CPU demo's: tests/test_demo_cpu.py
 def test_learning_on_toy_task(toy, tmp_path, seed):
     """GRPO pushes the toy task's mean reward up within 20 steps (measured: ~0.03 -> 1.0), whatever the seed: a
     seed whose samples reuse each other's random numbers could draw the same wrong completions step after step."""
