@@ -414,6 +414,8 @@ class WeightSyncWorker:
             for mod_name, module in model.named_modules():
                 if self.device.type == "cpu" and hasattr(module, "cpu_linear") and module.weight.ndim <= 2:
                     cpu_unpack_linear(module, self.model_config.dtype)  # CPU ONLY
+                if mod_name.endswith(".base_layer"):  # with --enable-lora, vLLM wraps each linear layer it adapts:
+                    mod_name = mod_name.removesuffix(".base_layer")  # its weights are the base layer's (lora/layers)
                 prefix, _, leaf = mod_name.rpartition(".")
                 for kind, t in module.named_parameters(recurse=False):
                     if leaf in packed:  # fused: each part's rows, one TP shard of them per worker

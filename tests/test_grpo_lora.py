@@ -252,6 +252,7 @@ def test_adapter_push_server_logprobs_equal_the_peft_models(toy, lora_server, tm
     assert {v for r in results for c in r["completions"] for v in c["versions"]} == {8}
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
     assert os.listdir(tmp_path) == ["v8"]
+    assert server_matches(lora_server, toy.model)  # every base weight checked (LoRA wraps them) and left as it was
     # vLLM's own /v1 routes know the adapter by its name too: greedy, they answer what /generate answers with it
     greedy = G.generate(lora_server, GAP_PROMPTS[:1], 1, 0.0, 12, 1, [0], lora="policy")[0]["completions"][0]
     body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": 12, "temperature": 0.0}
