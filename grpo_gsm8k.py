@@ -98,6 +98,9 @@ class Args:
     """optimizer passes over each batch (mu in the GRPO paper)"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
+    activation_checkpointing: bool = True
+    """recompute each decoder layer in backward instead of storing its activations (--no-activation-checkpointing:
+    faster steps where memory allows)"""
     max_seq_len: int = 1024
     """prompt + completion tokens kept for training (longer ones are truncated)"""
     mask_truncated_completions: bool = False
@@ -1514,7 +1517,8 @@ if __name__ == "__main__":
     else:
         lora = None
         model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
-    model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
     ref_model = None
     if args.beta:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()

@@ -98,6 +98,9 @@ class Args:
     """tis: cap of the per-token importance weight"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
+    activation_checkpointing: bool = True
+    """recompute each decoder layer in backward instead of storing its activations (--no-activation-checkpointing:
+    faster steps where memory allows)"""
     max_seq_len: int = 1024
     """prompt + completion tokens kept for training (longer ones are truncated)"""
     mask_truncated_completions: bool = False
@@ -715,7 +718,8 @@ if __name__ == "__main__":
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     tokenizer = AutoTokenizer.from_pretrained(load_from)
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
-    model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
     model.train()
     vocab_size = model.get_input_embeddings().num_embeddings
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)

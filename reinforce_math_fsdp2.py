@@ -95,7 +95,8 @@ class Args:
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """FSDP2 compute dtype of the parameters (gradients are reduced in fp32 either way)"""
     activation_checkpointing: bool = True
-    """recompute each decoder layer in backward instead of storing its activations"""
+    """recompute each decoder layer in backward instead of storing its activations (--no-activation-checkpointing:
+    faster steps where memory allows)"""
     reduce_every_micro_batch: bool = False
     """reduce-scatter gradients after every micro-batch: a reduce-scatter of all gradients per micro-batch instead of
     one per step, but no unsharded fp32 gradient of the whole model held on every rank between micro-batches
