@@ -1326,6 +1326,19 @@ def saved_args(path: str) -> dict:
     return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
 
 
+COUNTS = (  # the flags that count something: each must be 1 or more
+    "rollouts_per_update",
+    "group_size",
+    "num_iterations",
+    "micro_token_budget",
+    "max_seq_len",
+    "max_completion_tokens",
+    "concurrency",
+    "sync_every_steps",
+    "save_every",
+)
+
+
 def parse_args() -> Args:
     """The command line. With --resume and a checkpoint in --checkpoint-dir, the arguments saved with the newest one
     are the defaults: the run goes on as it was started, and a flag given again overrides its saved value (tyro fills
@@ -1337,6 +1350,9 @@ def parse_args() -> Args:
     saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
     if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
         args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+    for name in COUNTS:  # 0 would divide by zero, or do nothing, steps later
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     return args
 
 
@@ -1621,6 +1637,7 @@ if __name__ == "__main__":
             seeds,
             lora=adapter,
         )
+        t_generated = time.time()
         samples = [
             Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
             for row, res, seed in zip(rows, results, seeds, strict=True)
@@ -1636,6 +1653,7 @@ if __name__ == "__main__":
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
         )
+        t_graded = time.time()
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
@@ -1722,6 +1740,7 @@ if __name__ == "__main__":
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
+        t_updated = time.time()
         step += 1
         # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
         sync_s = 0.0
@@ -1769,6 +1788,9 @@ if __name__ == "__main__":
             "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
             "skipped_steps": skipped,
             "version": version,
+            "generate_s": t_generated - t0,
+            "grade_s": t_graded - t_generated,
+            "update_s": t_updated - t_graded,
             "sync_s": sync_s,
             "step_s": time.time() - t0,
             "tokens_per_s": new_tokens / (time.time() - t0),

@@ -620,6 +620,15 @@ def saved_args(path: str) -> dict:
     return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
 
 
+COUNTS = (  # the flags that count something: each must be 1 or more
+    "batch_size",
+    "micro_token_budget",
+    "max_seq_len",
+    "sync_every_steps",
+    "save_every",
+)
+
+
 def parse_args() -> Args:
     """The command line. With --resume and a checkpoint in --checkpoint-dir, the arguments saved with the newest one
     are the defaults: the run goes on as it was started, and a flag given again overrides its saved value (tyro fills
@@ -631,6 +640,9 @@ def parse_args() -> Args:
     saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
     if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
         args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+    for name in COUNTS:  # 0 would divide by zero, or do nothing, steps later
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     return args
 
 

@@ -308,3 +308,28 @@ def test_a_signal_stops_the_server_eval_is_starting(toy_model, tmp_path, signum)
             assert code != 0 and "KeyboardInterrupt" in (tmp_path / "eval.log").read_text()
     finally:
         kill_all(proc, server)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a flag that counts something and is 0
+
+
+@pytest.mark.parametrize("script", ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"])
+def test_a_count_of_zero_is_refused_before_any_work(script, monkeypatch, tmp_path):
+    """Every flag that counts something (COUNTS: --save-every, --group-size, --micro-token-budget, ...) given as 0 is
+    refused by name as the arguments are read, not met as a ZeroDivisionError at the first checkpoint; 1 is taken."""
+    module = import_script(script)
+    monkeypatch.chdir(tmp_path)
+    for name in module.COUNTS:
+        flag = "--" + name.replace("_", "-")
+        for value, refused in (("0", True), ("1", False)):
+            monkeypatch.setattr("sys.argv", [script, flag, value])
+            if refused:
+                with pytest.raises(SystemExit, match=f"^{flag} must be 1 or more, got 0$"):
+                    module.parse_args()
+            else:
+                assert getattr(module.parse_args(), name) == 1
+    r = subprocess.run(
+        [PY, os.path.join(ROOT, script), "--save-every", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and "--save-every must be 1 or more, got 0" in r.stderr
