@@ -30,7 +30,15 @@ PY = sys.executable
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from real_model import real_model_dir  # noqa: E402 (tests/real_model.py: the converted model's directory)
 
-SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20))
+SERVER_FLAGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    str(256 << 20),
+    "--max-model-len",
+    "1024",
+)
 WAYS = {"checkpointing": "--activation-checkpointing", "no checkpointing": "--no-activation-checkpointing"}
 
 
