@@ -545,7 +545,8 @@ def pytest_sessionfinish(session, exitstatus):
             stat = Path(f"/proc/{d}/stat").read_text()
             if d.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
                 cmdline = Path(f"/proc/{d}/cmdline").read_bytes()[:120].replace(b"\0", b" ").decode()
-                children.append(f"{d} {cmdline}")
+                if "from multiprocessing." not in cmdline:  # (the grading pools: their atexit handlers stop them)
+                    children.append(f"{d} {cmdline}")
     if threads or children:
         print(f"\nleft running at the end of the run: threads {threads}, child processes {children}", file=sys.stderr)
     faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
