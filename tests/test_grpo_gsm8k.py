@@ -34,8 +34,6 @@ from conftest import (
     run_ok,
     server_matches,
     server_version,
-    start_server,
-    stop_server,
     stopped_by_the_check,
     worst_logprob_gap,
 )
@@ -516,39 +514,36 @@ def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
 
 
-def test_checkpoint_transport(toy_model, tmp_path):
+def test_checkpoint_transport(toy, tmp_path):
     """--sync-transport checkpoint: no collective group at all; after every step the weights are saved in the server's
     dtype under --sync-dir and loaded by the server (--verify-sync: its checksums equal the trainer's), the sampler
     then agrees with the trainer, and only the last file is left."""
     from safetensors.torch import load_file
 
-    root = tmp_path / "root"  # the server's --checkpoint-root
-    proc, url = start_server(toy_model, str(tmp_path / "server.log"), "--checkpoint-root", str(root))
-    try:
-        _, m = run_script(
-            url,
-            tmp_path,
-            "--train-steps",
-            "2",
-            "--save-every",
-            "1",
-            "--verify-sync",
-            "--sync-transport",
-            "checkpoint",
-            "--sync-dir",
-            str(root / "sync"),
-            *HOT,
-            model=toy_model,
-        )
-        state = requests.get(url + "/runtime_version", timeout=10).json()
-        assert state["communicator"] is None and state["version"] == 2, state  # no group was ever joined
-        assert server_matches(url, tmp_path / "ckpt" / "step_2")
-    finally:
-        stop_server(proc)
+    sync_dir = Path(CHECKPOINT_ROOTS[toy.url]) / f"sync_{tmp_path.name}"  # under the server's --checkpoint-root
+    assert requests.post(toy.url + "/close_communicator", timeout=60).ok  # (an earlier test's group, if one is open)
+    _, m = run_script(
+        toy.url,
+        tmp_path,
+        "--train-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--verify-sync",
+        "--sync-transport",
+        "checkpoint",
+        "--sync-dir",
+        str(sync_dir),
+        *HOT,
+        model=toy.model,
+    )
+    state = requests.get(toy.url + "/runtime_version", timeout=10).json()
+    assert state["communicator"] is None and state["version"] == 2, state  # no group was joined
+    assert server_matches(toy.url, tmp_path / "ckpt" / "step_2")
     assert [int(x["version"]) for x in m] == [1, 2], m
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # step 2 sampled with step 1's loaded weights
-    assert os.listdir(root / "sync") == ["weights_v2.safetensors"]
-    saved = load_file(root / "sync" / "weights_v2.safetensors")
+    assert os.listdir(sync_dir) == ["weights_v2.safetensors"]
+    saved = load_file(sync_dir / "weights_v2.safetensors")
     step_2 = load_weights(tmp_path / "ckpt" / "step_2")
     assert saved.keys() == step_2.keys() and max_abs_diff(saved, step_2) == 0
 

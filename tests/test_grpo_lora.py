@@ -201,11 +201,11 @@ def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
     assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_lora_learns_the_toy_task(toy, tmp_path, seed):
+def test_lora_learns_the_toy_task(toy, tmp_path):
     """GRPO with rank-8 adapters (lr 3e-2, 10x full fine-tuning's) pushes the toy task's mean reward up within 20
-    steps (the module's toy model: see toy_model)."""
-    extra = ("--train-steps", "20", "--save-every", "100", "--seed", str(seed), "--learning-rate", "3e-2", *LORA)
+    steps (the module's toy model: see toy_model). One seed: full fine-tuning's learning test runs two more, and the
+    real-model tests check that the adapters move the policy."""
+    extra = ("--train-steps", "20", "--save-every", "100", "--seed", "1", "--learning-rate", "3e-2", *LORA)
     _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
     rewards = [float(x["reward"]) for x in m]
     print("rewards", rewards)

@@ -1,12 +1,11 @@
 """The scripts on a real pretrained model (conftest's `real_model`: SmolLM2-135M-Instruct, dequantised from a Q4_1
 GGUF file to float32, 134.5M parameters, tied embeddings, a 49,152-token vocabulary, ChatML), against one real
-vllm_sync_server of it for the whole module: the server's sampling logprobs equal a float32 Hugging Face forward pass
-before and after pushes of other weights (collective, shared transport and /load_checkpoint), its weight checksums
-equal the trainer's; grpo_gsm8k.py (full and LoRA, merged or adapter, the latter against a second server with LoRA
-on), reinforce_math_fsdp2.py (torchrun, 2 ranks) and the pipeline (actor, learner, a real redis-server) train on it
-with every push verified and leave the server on their last checkpoint; eval.py scores real GSM8K problems the same
-through /generate and through the server's OpenAI routes. Bounded work: a few prompts, 2 small training steps, 20
-problems."""
+vllm_sync_server of it, LoRA on, for the whole module: the server's sampling logprobs equal a float32 Hugging Face
+forward pass before and after pushes of other weights (collective, shared transport and /load_checkpoint), its weight
+checksums equal the trainer's; grpo_gsm8k.py (full and LoRA, merged or adapter), reinforce_math_fsdp2.py (torchrun, 2
+ranks) and the pipeline (actor, learner, a real redis-server) train on it with every push verified and leave the server
+on their last checkpoint; eval.py scores real GSM8K problems the same through /generate and through the server's
+OpenAI routes. Bounded work: a few prompts, 2 small training steps, 20 problems."""
 
 import json
 import os
@@ -51,13 +50,14 @@ QUESTIONS = ["What is 12 + 30?", "Name three colours.", "Repeat exactly: \\boxed
 
 @pytest.fixture(scope="module")
 def server(real_model, tmp_path_factory):
-    """One server of the real model for the module, fp32, with a 256 MiB KV cache (5,825 tokens of this model). Its
-    --checkpoint-root is the model's own directory: /load_checkpoint of that directory brings back the start weights."""
+    """One server of the real model for the module, fp32, with a 256 MiB KV cache (5,825 tokens of this model) and
+    vLLM's LoRA on (rank 8 at most: the adapter test's), so every test of the module, full pushes and adapters alike,
+    runs against it. Its --checkpoint-root is the model's own directory: /load_checkpoint of that directory brings
+    back the start weights."""
     log = str(tmp_path_factory.mktemp("real_server") / "server.log")
     t0 = time.time()
-    proc, url = start_server(
-        real_model, log, "--kv-cache-memory-bytes", str(256 << 20), "--checkpoint-root", real_model, timeout=360
-    )
+    flags = ("--kv-cache-memory-bytes", str(256 << 20), "--checkpoint-root", real_model)
+    proc, url = start_server(real_model, log, *flags, "--enable-lora", "--max-lora-rank", "8", timeout=360)
     print(f"real model server healthy in {time.time() - t0:.1f}s")
     yield url
     stop_server(proc)
@@ -190,34 +190,17 @@ def hf_model(path, lora_checkpoint=None):
 LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 
 
-@pytest.fixture
-def lora_server(real_model, tmp_path):
-    """A second server of the real model, with vLLM's LoRA on (rank 8 at most), for the one test that needs it. The
-    module's server stays without it: LoRA wraps every linear layer, whose weights /weights_checksum then leaves out,
-    so no checksum comparison of a full push could hold there."""
-    proc, url = start_server(
-        real_model,
-        str(tmp_path / "lora_server.log"),
-        "--kv-cache-memory-bytes",
-        str(128 << 20),
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        timeout=360,
-    )
-    yield url
-    stop_server(proc)
-
-
 @pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
-def test_grpo_lora_trains_two_steps_with_verified_pushes(request, server, real_model, tmp_path, lora_sync):
+def test_grpo_lora_trains_two_steps_with_verified_pushes(server, real_model, tmp_path, lora_sync):
     """grpo_gsm8k.py with rank-8 adapters on the real model, 2 steps, every push verified (merged: checksums of the
     merged base, pushed over the shared transport; adapter: the logprobs of a probe sampled with the adapter just
     loaded by a server with LoRA on), each step's sampler agreeing with its trainer. After the last push the server's
     logprobs of its samples (with the adapter, in adapter mode) equal those of the PEFT model of the last checkpoint
     within 1e-4, and not those of the base; merged, the server holds exactly that checkpoint's merged model and the
     staging files are gone."""
-    url = server if lora_sync == "merged" else request.getfixturevalue("lora_server")
+    url = server
+    if lora_sync == "adapter":  # the adapters apply to the base the trainer has: the model's own weights, loaded back
+        load_behind(server, real_model, 0)
     extra = ("--max-completion-tokens", "16", *LORA, "--lora-sync", lora_sync, "--learning-rate", "1e-3")
     before = set(os.listdir("/dev/shm"))
     if lora_sync == "merged":  # over the shared transport: the script's staging buffer, from the command line
