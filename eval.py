@@ -118,6 +118,9 @@ class Args:
     grade_backstop_s: float = 60.0
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+    grade_workers: int = 4
+    """grading worker processes (each imports sympy at start: about 1 s of CPU); 4 keep grading's share of a 2-core
+    machine beside busy processes, more suit a machine with many cores and large batches"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -742,6 +745,7 @@ if __name__ == "__main__":
         task=args.task,
         strict_format=args.strict_format,
         backstop_s=args.grade_backstop_s,
+        workers=args.grade_workers,
     )
 
     def per_problem(flat: list) -> list[list]:  # [problems * n] -> [problems][n]

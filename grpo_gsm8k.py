@@ -177,6 +177,9 @@ class Args:
     grade_backstop_s: float = 60.0
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+    grade_workers: int = 4
+    """grading worker processes (each imports sympy at start: about 1 s of CPU); 4 keep grading's share of a 2-core
+    machine beside busy processes, more suit a machine with many cores and large batches"""
 
     # Evaluation, logging and checkpoints
     eval_every: int = 10
@@ -1336,6 +1339,7 @@ COUNTS = (  # the flags that count something: each must be 1 or more
     "concurrency",
     "sync_every_steps",
     "save_every",
+    "grade_workers",
 )
 
 
@@ -1595,6 +1599,7 @@ if __name__ == "__main__":
             [r["answer"] for r in test],
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
         )
         return {
             "eval/accuracy": float(np.mean([g.correct for g in grades])),
@@ -1652,6 +1657,7 @@ if __name__ == "__main__":
             [sample.row["answer"] for sample in samples],
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
         )
         t_graded = time.time()
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]

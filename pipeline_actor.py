@@ -122,6 +122,9 @@ class Args:
     grade_backstop_s: float = 60.0
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+    grade_workers: int = 4
+    """grading worker processes (each imports sympy at start: about 1 s of CPU); 4 keep grading's share of a 2-core
+    machine beside busy processes, more suit a machine with many cores and large batches"""
 
     # Logging
     log_every_s: float = 10.0
@@ -544,6 +547,7 @@ if __name__ == "__main__":
             [sample.row["answer"] for sample in samples],
             args.grade_timeout_s,
             backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
         )
         advantages = []
         zero_std = []  # per group: all its rewards equal (all its advantages 0: no learning signal)

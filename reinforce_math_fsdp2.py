@@ -133,6 +133,9 @@ class Args:
     grade_backstop_s: float = 60.0
     """wall-clock seconds after which a grading worker still on one completion is killed (a last resort, for one
     stuck in C code where the CPU limit cannot interrupt it; it scores 0 with parse_error)"""
+    grade_workers: int = 4
+    """grading worker processes (each imports sympy at start: about 1 s of CPU); 4 keep grading's share of a 2-core
+    machine beside busy processes, more suit a machine with many cores and large batches"""
 
     # Evaluation, logging and checkpoints
     eval_every: int = 10
@@ -864,6 +867,7 @@ COUNTS = (  # the flags that count something: each must be 1 or more
     "concurrency",
     "eval_concurrency",
     "save_every",
+    "grade_workers",
 )
 
 
@@ -1103,6 +1107,7 @@ if __name__ == "__main__":
             args.grade_timeout_s,
             strict_format=args.strict_format,
             backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
         )
         n, correct, parse_err, length = all_sum(
             len(rows),
@@ -1150,6 +1155,7 @@ if __name__ == "__main__":
             args.grade_timeout_s,
             strict_format=args.strict_format,
             backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
         )
         rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]

@@ -36,7 +36,15 @@ PY = sys.executable
 DATASET = os.path.join(ROOT, "tests", "fixtures", "gsm8k_repeat")
 TRL_DIR = os.path.expanduser("~/.cache/cleanrlvr/trl-1.16.0")
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
-SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20))
+SERVER_FLAGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    str(256 << 20),
+    "--max-model-len",
+    "1024",
+)
 STEP = re.compile(r"^step (\d+): .*\breward=(\S+).*\bstep_s=(\S+)")
 
 
@@ -87,7 +95,7 @@ def start_server(model: str, port: int, log_path: str) -> subprocess.Popen:
 def run_ours(model: str, args, workdir: str) -> dict:
     t0 = time.time()
     port = free_port()
-    server = start_server(model, port, os.path.join(workdir, "server.log"))
+    server = start_server(model, port, os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log"))
     server_s = time.time() - t0
     cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
     cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
@@ -126,8 +134,8 @@ def run_trl(model: str, args, workdir: str) -> dict:
     steps = []
     first = None
     for since, line in timed_lines(cmd, env=env, cwd=workdir):
-        if line.startswith("{"):
-            record = json.loads(line)
+        if line.startswith("step {"):
+            record = json.loads(line[len("step ") :])
             steps.append({**record, "since": since})
         elif line.startswith("training starts") and first is None:
             first = since
@@ -135,7 +143,7 @@ def run_trl(model: str, args, workdir: str) -> dict:
 
 
 def trl_child(args) -> None:
-    """TRL's side: GRPOTrainer with the settings of grpo_gsm8k.py's run; one JSON line per step on stdout."""
+    """TRL's side: GRPOTrainer with the settings of grpo_gsm8k.py's run; a line per step on stdout: "step {json}"."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -160,7 +168,7 @@ def trl_child(args) -> None:
         def on_log(self, _args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 record = {"step": state.global_step, "reward": logs["reward"], "step_s": time.time() - self.t}
-                print(json.dumps(record), flush=True)
+                print("step " + json.dumps(record), flush=True)  # (the Trainer prints its own dicts too)
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-"),

@@ -158,6 +158,11 @@ def process_hooks(monkeypatch) -> dict:
     return hooks
 
 
+# The scripts' runs in the tests grade with one worker process: the test sets' completions take milliseconds to grade,
+# and each further worker costs about 0.6 s of CPU to start (its import of sympy), in every run of every script.
+GRADE_WORKERS = ("--grade-workers", "1")
+
+
 class ToyServer(NamedTuple):
     url: str
     model: str  # the path of the model the server started with

@@ -17,6 +17,7 @@ import requests
 
 from conftest import (
     FIXTURES,
+    GRADE_WORKERS,
     PY,
     ROOT,
     free_port,
@@ -219,7 +220,7 @@ def run_eval(workdir, *args, out, timeout=600, key=None):
     env.pop("VLLM_API_KEY", None)
     if key is not None:
         env["VLLM_API_KEY"] = key
-    r = run_ok([PY, SCRIPT_PATH, *args], cwd=workdir, timeout=timeout, env=env)
+    r = run_ok([PY, SCRIPT_PATH, *GRADE_WORKERS, *args], cwd=workdir, timeout=timeout, env=env)
     print(f"{SCRIPT} {' '.join(args[:6])} ...: {time.time() - t0:.1f}s")
     lines = read_jsonl(os.path.join(workdir, out))
     printed = {

@@ -17,6 +17,7 @@ from conftest import (
     CHECKPOINT_ROOTS,
     FIXTURES,
     GAP_PROMPTS,
+    GRADE_WORKERS,
     PY,
     ROOT,
     assert_learned,
@@ -217,6 +218,7 @@ def script_cmd(url, *extra, model, dataset="gsm8k_toy") -> list:
         "--checkpoint-dir",
         "ckpt",
         "--keep-eval-overlap",  # the toy set's test problems are among its training problems (8 sums in all)
+        *GRADE_WORKERS,
         *extra,
     ]
 

@@ -26,6 +26,7 @@ import torch
 from conftest import (
     CHECKPOINT_ROOTS,
     FIXTURES,
+    GRADE_WORKERS,
     PY,
     ROOT,
     SERVER_LOGS,
@@ -104,6 +105,7 @@ def actor_cmd(urls, redis_url, key, *extra):
         "16",
         "--log-every-s",
         "0",
+        *GRADE_WORKERS,
         *extra,
     ]
 

@@ -22,6 +22,7 @@ from test_reinforce_math_fsdp2 import run as run_fsdp2
 import real_model as fixture_source  # tests/real_model.py (the name `real_model` is conftest's fixture here)
 from conftest import (
     FIXTURES,
+    GRADE_WORKERS,
     PY,
     ROOT,
     SyncClient,
@@ -167,7 +168,17 @@ def run_grpo(url: str, model: str, workdir, *extra: str) -> tuple[str, list[dict
         *("--dataset", os.path.join(FIXTURES, "gsm8k_real"), "--vllm-port", url.rsplit(":", 1)[1]),
         *("--train-steps", "2", "--rollouts-per-update", "2", "--group-size", "4"),
         *("--train-temperature", "0.7", "--learning-rate", "1e-5", "--system-prompt", "", "--seed", "1"),
-        *("--eval-every", "0", "--checkpoint-dir", "ckpt", "--save-every", "2", "--verify-sync", *extra),
+        *(
+            "--eval-every",
+            "0",
+            "--checkpoint-dir",
+            "ckpt",
+            "--save-every",
+            "2",
+            "--verify-sync",
+            *GRADE_WORKERS,
+            *extra,
+        ),
     ]
     r = run_ok(cmd, cwd=workdir, timeout=600)
     m = metrics_of(r.stdout)

@@ -17,6 +17,7 @@ import torch
 from conftest import (
     CHECKPOINT_ROOTS,
     FIXTURES,
+    GRADE_WORKERS,
     PY,
     ROOT,
     assert_seed_streams_distinct,
@@ -213,6 +214,7 @@ def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> lis
         "--save-every",
         "1",
         *(["--keep-eval-overlap"] if toy_data else []),  # the toy set's test problems are among its training problems
+        *GRADE_WORKERS,
         *extra,
     ]
 
