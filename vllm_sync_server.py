@@ -943,18 +943,18 @@ def completion_json(c) -> dict:
 
 
 def add_routes(app, args: Args, state: ServerState) -> None:
-    """Our routes, on vLLM's app: /generate, the weight sync, and what a trainer reads about them."""
+    """Our routes, on vLLM's app: what a trainer reads about the server, /generate, the weight sync, and the engine's
+    controls (pause, sleep)."""
+    add_status_routes(app, args, state)
+    add_generate_route(app, state)
+    add_group_routes(app, args, state)
+    add_weight_routes(app, args, state)
+    add_engine_routes(app, args, state)
+
+
+def add_status_routes(app, args: Args, state: ServerState) -> None:
+    """What a trainer reads: the policy version and the sync's state, background tasks, the weights' checksums."""
     from fastapi import HTTPException
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, Field
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    def two_lines(first: dict, task: asyncio.Task) -> StreamingResponse:
-        async def lines():
-            yield json.dumps(first) + "\n"  # at once: "go ahead with the collective"
-            yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.get("/runtime_version")
     async def runtime_version():
@@ -979,6 +979,21 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     async def get_num_background_tasks():
         return {"num_background_tasks": state.tasks}
 
+    @app.get("/weights_checksum")
+    async def weights_checksum():
+        if (problem := asleep_problem(state, "weights")) is not None:
+            raise HTTPException(409, problem)
+        async with state.lock:  # not during an update
+            checksums = await collective(args, state, "sync_checksums")
+            return {"version": state.version, "checksums": checksums}
+
+
+def add_generate_route(app, state: ServerState) -> None:
+    """/generate: token ids (or chat messages) in; completions with the sampled tokens' logprobs and the policy
+    version out."""
+    from fastapi import HTTPException
+    from pydantic import BaseModel
+
     class GenerateRequest(BaseModel):  # exactly one of prompts (token ids) and messages (chat template applied here)
         prompts: Optional[list[list[int]]] = None
         messages: Optional[list[list[dict[str, str]]]] = None
@@ -992,73 +1007,102 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         ignore_eos: bool = False
         lora: Optional[str] = None  # the name of an adapter /update_adapter loaded: sample with it
 
-    async def sample(req: GenerateRequest, i: int, ids: list[int]) -> dict:
-        # vLLM seeds sample j of a request with its seed + j: prompt i starts at seed + i * n, so sample j of
-        # prompt i draws from seed + i * n + j and no two samples of one request share a random stream
-        seed = None if req.seed is None else req.seed + i * req.n
-        sampling_params = SamplingParams(
-            **req.model_dump(exclude={"prompts", "messages", "seed", "lora"}),  # the rest have vLLM's names
-            logprobs=0,  # the sampled token's
-            seed=seed,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        prompt = {"prompt_token_ids": ids}
-        request_id = uuid.uuid4().hex
-        lora = None if req.lora is None else app.state.openai_serving_models.lora_requests[req.lora]
-        adapter_version = state.adapters.get(req.lora)
-        final = None
-        outputs = state.engine.generate(
-            prompt, sampling_params=sampling_params, request_id=request_id, lora_request=lora
-        )
-        async for output in outputs:
-            final = output  # FINAL_ONLY: a single output, once the request is done
-        completions = [completion_json(c) for c in final.outputs]
-        if lora is not None:  # the policy is the adapter: its versions, at the start and the end of the request
-            for c in completions:
-                c["versions"] = sorted({adapter_version, state.adapters[req.lora]})
-        return {"prompt_token_ids": ids, "completions": completions}
-
     @app.post("/generate")
     async def generate(req: GenerateRequest):
         if (problem := asleep_problem(state, "")) is not None:  # a sleeping engine would hold the request forever
             raise HTTPException(409, problem)
-        if (req.prompts is None) == (req.messages is None):
-            raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
-        kind = "prompts" if req.messages is None else "messages"
-        count = len(req.prompts if req.messages is None else req.messages)
-        max_seqs = state.max_num_seqs  # a request: one batch at most
-        if req.n > max_seqs:
-            raise HTTPException(400, f"'n' {req.n} is over this server's max_num_seqs {max_seqs}")
-        if count * req.n > max_seqs:
-            raise HTTPException(
-                400,
-                f"{count} '{kind}' x n {req.n} = {count * req.n} sequences, over this server's "
-                f"max_num_seqs {max_seqs} per request",
-            )
-        if req.lora is not None and req.lora not in state.adapters:
-            raise HTTPException(400, f"no adapter {req.lora!r}: POST /update_adapter first")
-        if req.messages is None:
-            prompts = req.prompts
-        else:
-            tok = state.tokenizer
-            chats = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in req.messages]
-            prompts = [tok.encode(chat, add_special_tokens=False) for chat in chats]
-        for i, ids in enumerate(prompts):
-            if len(ids) + req.max_tokens > state.max_model_len:
-                raise HTTPException(
-                    400,
-                    f"'max_tokens' {req.max_tokens} + the {len(ids)} tokens of prompt {i} "
-                    f"exceed this server's max_model_len {state.max_model_len}",
-                )
+        prompts = generate_prompts(state, req)  # [prompt][token]: checked against the server's limits
         await state.gate.wait()  # closed while a push goes into an idle engine: sample with the new weights
         state.generating += 1
         try:
-            results = await asyncio.gather(*(sample(req, i, ids) for i, ids in enumerate(prompts)))
+            results = await asyncio.gather(*(sample(app, state, req, i, ids) for i, ids in enumerate(prompts)))
         except ValueError as e:  # vLLM's own checks: prompt too long, bad sampling parameters
             raise HTTPException(400, str(e)) from e
         finally:
             state.generating -= 1
         return {"version": state.version, "results": results}
+
+
+def generate_prompts(state: ServerState, req) -> list[list[int]]:
+    """The token ids of a /generate request's prompts (chat messages rendered with the model's template), or a 400
+    naming the limit it breaks: one request is one batch of at most max_num_seqs sequences within max_model_len."""
+    from fastapi import HTTPException
+
+    if (req.prompts is None) == (req.messages is None):
+        raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
+    kind = "prompts" if req.messages is None else "messages"
+    count = len(req.prompts if req.messages is None else req.messages)
+    max_seqs = state.max_num_seqs  # a request: one batch at most
+    if req.n > max_seqs:
+        raise HTTPException(400, f"'n' {req.n} is over this server's max_num_seqs {max_seqs}")
+    if count * req.n > max_seqs:
+        raise HTTPException(
+            400,
+            f"{count} '{kind}' x n {req.n} = {count * req.n} sequences, over this server's "
+            f"max_num_seqs {max_seqs} per request",
+        )
+    if req.lora is not None and req.lora not in state.adapters:
+        raise HTTPException(400, f"no adapter {req.lora!r}: POST /update_adapter first")
+    if req.messages is None:
+        prompts = req.prompts
+    else:
+        tok = state.tokenizer
+        chats = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in req.messages]
+        prompts = [tok.encode(chat, add_special_tokens=False) for chat in chats]
+    for i, ids in enumerate(prompts):
+        if len(ids) + req.max_tokens > state.max_model_len:
+            raise HTTPException(
+                400,
+                f"'max_tokens' {req.max_tokens} + the {len(ids)} tokens of prompt {i} "
+                f"exceed this server's max_model_len {state.max_model_len}",
+            )
+    return prompts
+
+
+async def sample(app, state: ServerState, req, i: int, ids: list[int]) -> dict:
+    """Prompt i of a /generate request through the engine: its n completions, each with its tokens' logprobs."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    # vLLM seeds sample j of a request with its seed + j: prompt i starts at seed + i * n, so sample j of
+    # prompt i draws from seed + i * n + j and no two samples of one request share a random stream
+    seed = None if req.seed is None else req.seed + i * req.n
+    sampling_params = SamplingParams(
+        **req.model_dump(exclude={"prompts", "messages", "seed", "lora"}),  # the rest have vLLM's names
+        logprobs=0,  # the sampled token's
+        seed=seed,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    prompt = {"prompt_token_ids": ids}
+    request_id = uuid.uuid4().hex
+    lora = None if req.lora is None else app.state.openai_serving_models.lora_requests[req.lora]
+    adapter_version = state.adapters.get(req.lora)
+    final = None
+    outputs = state.engine.generate(prompt, sampling_params=sampling_params, request_id=request_id, lora_request=lora)
+    async for output in outputs:
+        final = output  # FINAL_ONLY: a single output, once the request is done
+    completions = [completion_json(c) for c in final.outputs]
+    if lora is not None:  # the policy is the adapter: its versions, at the start and the end of the request
+        for c in completions:
+            c["versions"] = sorted({adapter_version, state.adapters[req.lora]})
+    return {"prompt_token_ids": ids, "completions": completions}
+
+
+def two_lines(first: dict, task: asyncio.Task):
+    """A streamed answer of two JSON lines: `first` at once (the trainer's cue to start its side of a transfer), then
+    the task's result once it is done."""
+    from fastapi.responses import StreamingResponse
+
+    async def lines():
+        yield json.dumps(first) + "\n"  # at once: "go ahead with the collective"
+        yield json.dumps(await asyncio.shield(task)) + "\n"  # shielded: a client that hangs up must not cancel it
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def add_group_routes(app, args: Args, state: ServerState) -> None:
+    """/init_communicator (join the trainer's group, or map its staging buffer) and /close_communicator."""
+    from fastapi import HTTPException
+    from pydantic import BaseModel, Field
 
     class InitRequest(BaseModel):
         host: str = ""  # (the collective transport's)
@@ -1092,6 +1136,22 @@ def add_routes(app, args: Args, state: ServerState) -> None:
         # a task of its own: the join completes only once the trainer, told by line 1, joins too
         task = asyncio.create_task(join_group(args, state, req, ranks))
         return two_lines({"status": "joining", "ranks": ranks}, task)
+
+    @app.post("/close_communicator")
+    async def close_communicator():
+        if state.updating:
+            raise HTTPException(409, "a weight update is running")
+        await collective(args, state, "sync_close_communicator")  # every worker leaves the group
+        state.communicator = None
+        return {"status": "ok"}
+
+
+def add_weight_routes(app, args: Args, state: ServerState) -> None:
+    """The three ways new weights arrive: a push (/update_param_batch), a checkpoint (/load_checkpoint), an adapter
+    (/update_adapter)."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, Field
 
     class UpdateRequest(BaseModel):
         params: list[dict] = Field(min_length=1)  # [{name, dtype, shape}]: the order the tensors travel in
@@ -1147,6 +1207,13 @@ def add_routes(app, args: Args, state: ServerState) -> None:
             raise HTTPException(400, answer["error"])
         return answer
 
+
+def add_engine_routes(app, args: Args, state: ServerState) -> None:
+    """The engine's controls: hold generation (/pause, /resume), clear the prefix cache, release and take back memory
+    (/sleep, /wake_up)."""
+    from fastapi import HTTPException
+    from pydantic import BaseModel
+
     @app.post("/pause")
     async def pause():
         if (problem := asleep_problem(state, "")) is not None:  # sleep holds it already; wake_up ends that hold
@@ -1171,14 +1238,6 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     async def reset_prefix_cache():
         return {"status": "ok", "reset": await state.engine.reset_prefix_cache()}
 
-    @app.post("/close_communicator")
-    async def close_communicator():
-        if state.updating:
-            raise HTTPException(409, "a weight update is running")
-        await collective(args, state, "sync_close_communicator")  # every worker leaves the group
-        state.communicator = None
-        return {"status": "ok"}
-
     class SleepRequest(BaseModel):
         level: int = 1
 
@@ -1192,14 +1251,6 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     @app.post("/wake_up")
     async def wake_up(req: WakeRequest):
         return await wake_engine(args, state, req.tags)
-
-    @app.get("/weights_checksum")
-    async def weights_checksum():
-        if (problem := asleep_problem(state, "weights")) is not None:
-            raise HTTPException(409, problem)
-        async with state.lock:  # not during an update
-            checksums = await collective(args, state, "sync_checksums")
-            return {"version": state.version, "checksums": checksums}
 
 
 def key_required(app, keys: list[str]):
