@@ -658,6 +658,8 @@ if __name__ == "__main__":
         args.model = model
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
+    if args.grade_workers < 1:
+        raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
     dataset = args.dataset or DEFAULT_DATASET[args.task]
     rows = load_split(dataset, args.split, args.task)[: args.limit]  # before the server: no problems, no server
     if not rows:

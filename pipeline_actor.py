@@ -431,6 +431,8 @@ if __name__ == "__main__":
     args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
+    if args.grade_workers < 1:
+        raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
 
     import random
 

@@ -104,6 +104,15 @@ def test_a_count_below_one_is_refused(script, flag, value, tmp_path):
     assert "torch" not in _imported(r.stderr)
 
 
+@pytest.mark.parametrize("script", ["eval.py", "pipeline_actor.py"])
+def test_no_grading_workers_is_refused(script, tmp_path):
+    """--grade-workers 0 (a pool that would grade nothing) is refused by name before any work (the trainers refuse it
+    with their other counts: test_lifecycle)."""
+    r = _run(script, "--grade-workers", "0", cwd=tmp_path)
+    assert r.returncode != 0 and "--grade-workers must be 1 or more, got 0" in _said(r), _said(r)[-2000:]
+    assert "torch" not in _imported(r.stderr)
+
+
 def _split(directory: Path, name: str, rows: list[dict]) -> None:
     directory.mkdir(exist_ok=True)
     (directory / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
