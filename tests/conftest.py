@@ -31,6 +31,12 @@ PY = sys.executable
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")  # tiny datasets in each task's schema
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts import as modules; so does tiny_model
 
+# One torch (OpenMP) thread in every process the tests start, unless the caller chose. vLLM's CPU worker pins itself
+# to core 0; a trainer with two threads then waits, in every parallel region, on the thread that shares a core with
+# the server or with any other busy process. Measured with one core kept busy: a real-model training test took 132 s
+# with two threads and 32 s with one (quiet: 28.5 s and 31.2 s). torchrun sets the same for its ranks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from real_model import RealModelMissing, real_model_dir  # noqa: E402 (the same)
 from tiny_model import build_tiny_model  # noqa: E402 (importable only once tests/ is on sys.path, above)
 
