@@ -1308,7 +1308,115 @@ def init_adamw_state(optimizer) -> None:
         state["step"].zero_()
 
 
-# The run's files: its checkpoints, the arguments saved with them, its rollout log
+# Logging, evaluation and the run's files: its checkpoints, the arguments saved with them, its rollout log
+def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
+    """The step's metrics, to each of `loggers`: one printed line, a rich table, W&B (wandb.init ran in main)."""
+    text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+    if "print" in loggers:
+        print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
+    if "rich" in loggers:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("metric", "value", title=f"step {step}")
+        for k, v in text.items():
+            table.add_row(k, v)
+        Console().print(table)
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.log(metrics, step=step)
+
+
+def prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
+    """A problem as the model's chat prompt, in token ids: the system prompt (none if ""), the problem as the user's
+    turn, the assistant's turn opened (the template's text, tokenized without adding special tokens twice)."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    text = tokenizer.apply_chat_template(
+        msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args, lora: Optional[str] = None) -> dict:
+    """The server's policy on the test problems: one completion each at --eval-temperature (each problem its own
+    seed), graded as in training."""
+    import numpy as np
+
+    results = generate(
+        url,
+        prompts,
+        1,
+        args.eval_temperature,
+        args.max_completion_tokens,
+        args.concurrency,
+        [eval_seed(args.seed, i) for i in range(len(prompts))],
+        lora=lora,
+    )
+    grades = grade_batch(
+        [res["completions"][0]["text"] for res in results],
+        golds,
+        args.grade_timeout_s,
+        backstop_s=args.grade_backstop_s,
+        workers=args.grade_workers,
+    )
+    return {
+        "eval/accuracy": float(np.mean([g.correct for g in grades])),
+        "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+        "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results])),
+    }
+
+
+def write_rollouts(path: str, step: int, samples: list, grades: list, advantages: list[float]) -> None:
+    """Append the step's rollouts to the JSONL file at `path`, one line per completion: the problem, the completion,
+    its grade, advantage, the policy versions that sampled it and its seed."""
+    with open(path, "a") as rollout_log:
+        for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
+            record = {
+                "step": step,
+                "question": sample.row["question"],
+                "gold": sample.row["answer"],
+                "completion": sample.completion["text"],
+                **grade_._asdict(),
+                "advantage": advantage,
+                "versions": sample.completion["versions"],
+                "finish_reason": sample.completion["finish_reason"],
+                "seed": sample.seed,
+            }
+            rollout_log.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(path: str, model, lora, tokenizer, optimizer, counters: dict, run_args: dict) -> None:
+    """A checkpoint at `path`: the model in Hugging Face format (vLLM and transformers load it), the tokenizer, the
+    run's arguments (--resume and eval.py read them) and trainer_state.pt (the optimizer, `counters`, the random
+    generators' states). LoRA: the adapter in peft's format (resume loads it) and, in merged/, the merged policy with
+    its own tokenizer and arguments (eval.py, given the checkpoint, evaluates merged/)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    if lora is None:
+        model.save_pretrained(path)
+    else:
+        lora.save_pretrained(path)
+        save_merged(lora, model, os.path.join(path, "merged"))
+        tokenizer.save_pretrained(os.path.join(path, "merged"))
+        with open(os.path.join(path, "merged", "args.json"), "w") as f:
+            json.dump(run_args, f, indent=1)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(run_args, f, indent=1)
+    state = {
+        "optimizer": optimizer.state_dict(),
+        **counters,
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+    }
+    torch.save(state, os.path.join(path, "trainer_state.pt"))
+
+
 def checkpoint_steps(checkpoint_dir: str) -> list[int]:
     """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
     if not os.path.isdir(checkpoint_dir):
@@ -1497,30 +1605,9 @@ if __name__ == "__main__":
 
         wandb.init(config=asdict(args), resume="allow")
 
-    def log_metrics(metrics: dict, step: int) -> None:
-        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
-        if "print" in loggers:
-            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
-        if "rich" in loggers:
-            from rich.console import Console
-            from rich.table import Table
-
-            table = Table("metric", "value", title=f"step {step}")
-            for k, v in text.items():
-                table.add_row(k, v)
-            Console().print(table)
-        if "wandb" in loggers:
-            wandb.log(metrics, step=step)
-
     # data (loaded above) as chat prompts (token ids)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-
-    def prompt_ids(question: str) -> list[int]:
-        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        text = tokenizer.apply_chat_template(
-            msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+    test_prompts = [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in test]
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
     step = 0  # optimizer steps taken
@@ -1583,32 +1670,8 @@ if __name__ == "__main__":
     transport = "adapter" if adapter is not None else args.sync_transport
     current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
 
-    def evaluate() -> dict:
-        results = generate(
-            url,
-            [prompt_ids(r["question"]) for r in test],
-            1,
-            args.eval_temperature,
-            args.max_completion_tokens,
-            args.concurrency,
-            [eval_seed(args.seed, i) for i in range(len(test))],
-            lora=adapter,
-        )
-        grades = grade_batch(
-            [res["completions"][0]["text"] for res in results],
-            [r["answer"] for r in test],
-            args.grade_timeout_s,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
-        return {
-            "eval/accuracy": float(np.mean([g.correct for g in grades])),
-            "eval/parse_err_rate": float(np.mean([g.parse_error for g in grades])),
-            "eval/avg_completion_length": float(np.mean([len(res["completions"][0]["token_ids"]) for res in results])),
-        }
-
     if args.eval_before_start and step == 0:
-        log_metrics(evaluate(), step)
+        log_metrics(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter), step, loggers)
     total_tokens = 0
     start_time = time.time()
     progress = None
@@ -1634,7 +1697,7 @@ if __name__ == "__main__":
         data_pos += args.rollouts_per_update
         results = generate(
             url,
-            [prompt_ids(r["question"]) for r in rows],
+            [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in rows],
             args.group_size,
             args.train_temperature,
             args.max_completion_tokens,
@@ -1770,7 +1833,8 @@ if __name__ == "__main__":
         if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
             wake_vllm(url, device, asleep_bytes)
         if args.verify_sync and adapter is not None and current and not bad:  # no checksums of an adapter: logprobs
-            probe = verify_adapter(url, model, prompt_ids(rows[0]["question"]), version, args, tokenizer.pad_token_id)
+            probe_prompt = prompt_ids(tokenizer, args.system_prompt, rows[0]["question"])
+            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id)
             check_logprob_mismatch(probe, limit, step, version, "adapter")
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
@@ -1801,23 +1865,10 @@ if __name__ == "__main__":
             "step_s": time.time() - t0,
             "tokens_per_s": new_tokens / (time.time() - t0),
         }
-        with open(args.rollout_log, "a") as rollout_log:  # every training rollout, one JSON line each
-            for sample, grade_, advantage in zip(samples, grades, advantages.tolist(), strict=True):
-                record = {
-                    "step": step,
-                    "question": sample.row["question"],
-                    "gold": sample.row["answer"],
-                    "completion": sample.completion["text"],
-                    **grade_._asdict(),
-                    "advantage": advantage,
-                    "versions": sample.completion["versions"],
-                    "finish_reason": sample.completion["finish_reason"],
-                    "seed": sample.seed,
-                }
-                rollout_log.write(json.dumps(record) + "\n")
+        write_rollouts(args.rollout_log, step, samples, grades, advantages.tolist())
         if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate())
-        log_metrics(metrics, step)
+            metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
+        log_metrics(metrics, step, loggers)
         if progress is not None:
             progress.update(
                 progress_task,
@@ -1825,32 +1876,9 @@ if __name__ == "__main__":
                 description=f"reward {metrics['reward']:.2f}, {metrics['step_s']:.1f} s/step",
             )
         if step % args.save_every == 0 or step == args.train_steps:
+            counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            if lora is None:
-                model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it
-            else:  # the adapter (peft format: resume loads it), and the merged policy, which vLLM and transformers
-                lora.save_pretrained(path)  # load (eval.py, given the checkpoint, evaluates its merged/)
-                save_merged(lora, model, os.path.join(path, "merged"))
-                tokenizer.save_pretrained(os.path.join(path, "merged"))
-                with open(os.path.join(path, "merged", "args.json"), "w") as f:  # eval.py reads the prompt
-                    json.dump(run_args, f, indent=1)
-            tokenizer.save_pretrained(path)
-            with open(os.path.join(path, "args.json"), "w") as f:  # --resume and eval.py read them
-                json.dump(run_args, f, indent=1)
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "version": version,
-                    "skipped": skipped,
-                    "data_pos": data_pos,
-                    "order": order,
-                    "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(),
-                },
-                os.path.join(path, "trainer_state.pt"),
-            )
+            save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
             prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     if progress is not None:
         progress.stop()

@@ -837,7 +837,150 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, split=split))
 
 
-# The run's files: its checkpoints, the arguments saved with them, its rollout log
+# Logging, evaluation and the run's files: its checkpoints, the arguments saved with them, its rollout log
+def all_sum(device, *xs: float) -> list[float]:
+    """Each of `xs` summed over the ranks (a few metrics in one small all-reduce; one process: themselves)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(xs, dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_max(device, x: float) -> float:
+    """The largest of the ranks' `x`."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
+    """The step's metrics, to each of `loggers`: one printed line, a rich table, W&B (wandb.init ran in main)."""
+    text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+    if "print" in loggers:
+        print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
+    if "rich" in loggers:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("metric", "value", title=f"step {step}")
+        for k, v in text.items():
+            table.add_row(k, v)
+        Console().print(table)
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.log(metrics, step=step)
+
+
+def prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
+    """A problem as the model's chat prompt, in token ids: the system prompt (none if ""), the problem as the user's
+    turn, the assistant's turn opened (the template's text, tokenized without adding special tokens twice)."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    text = tokenizer.apply_chat_template(
+        msgs + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args, rank: int, world_size: int, device):
+    """The server's policy on this rank's share of the evaluation problems (every world_size-th, from `rank`): one
+    completion each at --eval-temperature (each problem its own seed), graded as in training; the counts are summed
+    over the ranks, so every rank returns the whole set's figures."""
+    results = generate(
+        url,
+        prompts,
+        1,
+        args.eval_temperature,
+        args.max_completion_tokens,
+        args.eval_concurrency,
+        [eval_seed(args.seed, rank + world_size * i) for i in range(len(prompts))],
+    )
+    grades = grade_batch(
+        [res["completions"][0]["text"] for res in results],
+        golds,
+        args.grade_timeout_s,
+        strict_format=args.strict_format,
+        backstop_s=args.grade_backstop_s,
+        workers=args.grade_workers,
+    )
+    n, correct, parse_err, length = all_sum(
+        device,
+        len(prompts),
+        sum(g.correct for g in grades),
+        sum(g.parse_error for g in grades),
+        sum(len(res["completions"][0]["token_ids"]) for res in results),
+    )
+    return {
+        "eval/accuracy": correct / max(n, 1),
+        "eval/parse_err_rate": parse_err / max(n, 1),
+        "eval/avg_completion_length": length / max(n, 1),
+    }
+
+
+def write_rollouts(path: str, step: int, rank: int, samples: list, grades: list, advantages: list[float]) -> None:
+    """Append this rank's rollouts of the step to the JSONL file at `path`, one line per completion: the problem, the
+    completion, its grade, advantage, the policy versions that sampled it and its seed."""
+    with open(path, "a") as rollout_log:
+        for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
+            record = {
+                "step": step,
+                "rank": rank,
+                "problem": sample.row["problem"],
+                "completion": sample.completion["text"],
+                **grade_._asdict(),
+                "advantage": advantage,
+                "versions": sample.completion["versions"],
+                "finish_reason": sample.completion["finish_reason"],
+                "seed": sample.seed,
+            }
+            rollout_log.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_args: dict, rank: int) -> None:
+    """A checkpoint at `path`, written by every rank: rank 0 writes the gathered model in Hugging Face format (vLLM,
+    transformers and eval.py load it), the tokenizer and the run's arguments (--resume and eval.py read them); each
+    rank writes its shards of the model and the optimizer (DCP: resume loads them, in parallel) and trainer/rank{R}.pt
+    (`counters`, its random generators' states)."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
+    if rank == 0:
+        model.config.save_pretrained(path)  # (these two create the directory)
+        tokenizer.save_pretrained(path)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(run_args, f, indent=1)
+        if model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        save_file(
+            {k: v.contiguous() for k, v in sd.items()},
+            os.path.join(path, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+    del sd
+    msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
+    state = {
+        **counters,
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+    }
+    torch.save(state, os.path.join(path, "trainer", f"rank{rank}.pt"))
+
+
 def checkpoint_steps(checkpoint_dir: str) -> list[int]:
     """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
     if not os.path.isdir(checkpoint_dir):
@@ -993,7 +1136,6 @@ if __name__ == "__main__":
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from transformers import AutoTokenizer
 
@@ -1014,18 +1156,6 @@ if __name__ == "__main__":
     log = logging.getLogger("reinforce_math_fsdp2")
     log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
 
-    def all_sum(*xs: float) -> list[float]:  # sums over the ranks of a few metrics
-        t = torch.tensor(xs, dtype=torch.float64, device=device)
-        if world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
-
-    def all_max(x: float) -> float:  # the largest value over the ranks
-        t = torch.tensor([x], dtype=torch.float64, device=device)
-        if world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed)  # the same on every rank
@@ -1036,32 +1166,12 @@ if __name__ == "__main__":
 
         wandb.init(config=asdict(args), resume="allow")
 
-    def log_metrics(metrics: dict, step: int) -> None:
-        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
-        if "print" in loggers:
-            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
-        if "rich" in loggers:
-            from rich.console import Console
-            from rich.table import Table
-
-            table = Table("metric", "value", title=f"step {step}")
-            for k, v in text.items():
-                table.add_row(k, v)
-            Console().print(table)
-        if "wandb" in loggers:
-            wandb.log(metrics, step=step)
-
     # data (loaded above): one permutation on all ranks; per step, rank r keeps every world_size-th of the next
     # rollouts_per_update x world_size prompts
     order = np.random.default_rng(args.seed).permutation(len(train))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-
-    def prompt_ids(problem: str) -> list[int]:
-        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        text = tokenizer.apply_chat_template(
-            msgs + [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+    eval_rows = test[rank::world_size]  # this rank's share of the evaluation problems
+    eval_prompts = [prompt_ids(tokenizer, args.system_prompt, row["problem"]) for row in eval_rows]
 
     # model: fp32 master weights, sharded; AdamW on the shards
     model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
@@ -1090,39 +1200,9 @@ if __name__ == "__main__":
     served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, args.param_dtype])
 
-    def evaluate() -> dict:  # each rank grades its share of the evaluation problems, the sums are combined
-        rows = test[rank::world_size]
-        results = generate(
-            url,
-            [prompt_ids(r["problem"]) for r in rows],
-            1,
-            args.eval_temperature,
-            args.max_completion_tokens,
-            args.eval_concurrency,
-            [eval_seed(args.seed, rank + world_size * i) for i in range(len(rows))],
-        )
-        grades = grade_batch(
-            [res["completions"][0]["text"] for res in results],
-            [r["solution"] for r in rows],
-            args.grade_timeout_s,
-            strict_format=args.strict_format,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
-        n, correct, parse_err, length = all_sum(
-            len(rows),
-            sum(g.correct for g in grades),
-            sum(g.parse_error for g in grades),
-            sum(len(res["completions"][0]["token_ids"]) for res in results),
-        )
-        return {
-            "eval/accuracy": correct / max(n, 1),
-            "eval/parse_err_rate": parse_err / max(n, 1),
-            "eval/avg_completion_length": length / max(n, 1),
-        }
-
+    eval_golds = [row["solution"] for row in eval_rows]
     if args.eval_before_start and step == 0:
-        log_metrics(evaluate(), step)
+        log_metrics(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device), step, loggers)
     total_tokens = 0
     start_time = time.time()
     while step < args.train_steps:
@@ -1134,7 +1214,7 @@ if __name__ == "__main__":
         data_pos += args.rollouts_per_update * world_size
         results = generate(
             url,
-            [prompt_ids(r["problem"]) for r in rows],
+            [prompt_ids(tokenizer, args.system_prompt, row["problem"]) for row in rows],
             args.group_size,
             args.train_temperature,
             args.max_completion_tokens,
@@ -1178,8 +1258,10 @@ if __name__ == "__main__":
         micro = [
             [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
         ]
-        n_micro = int(all_max(len(micro)))  # micro-batches every rank runs
-        T_global = all_sum(sum(trained[i] for i in fed))[0]  # tokens with a gradient this step, all ranks together
+        n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs
+        T_global = all_sum(device, sum(trained[i] for i in fed))[
+            0
+        ]  # tokens with a gradient this step, all ranks together
         loss_sum = 0.0
         mismatch_sum = 0.0
         entropy_sum = 0.0
@@ -1206,7 +1288,9 @@ if __name__ == "__main__":
                 entropy_sum += entropy.sum().item()
         # the sampler's policy check, before the update: the step's figure over every rank's tokens (one small
         # all-reduce), so that all ranks reach the same verdict and stop together
-        mismatch_all, fed_all, stale_ranks = all_sum(mismatch_sum, sum(n_comp[i] for i in fed), float(not fresh))
+        mismatch_all, fed_all, stale_ranks = all_sum(
+            device, mismatch_sum, sum(n_comp[i] for i in fed), float(not fresh)
+        )
         if stale_ranks == 0:
             step_mismatch = mismatch_all / fed_all if fed_all else float("nan")
             check_logprob_mismatch(step_mismatch, limit, step + 1, version, "collective")
@@ -1238,6 +1322,7 @@ if __name__ == "__main__":
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         sums = all_sum(
+            device,
             len(samples),
             rewards.sum().item(),
             sum(g.correct for g in grades),
@@ -1274,52 +1359,14 @@ if __name__ == "__main__":
             "step_s": time.time() - t0,
             "tokens_per_s": tokens / (time.time() - t0),
         }
-        with open(args.rollout_log.replace("{RANK}", str(rank)), "a") as rollout_log:  # one JSON line per rollout
-            for sample, grade_, advantage in zip(samples, grades, advantages.tolist(), strict=True):
-                record = {
-                    "step": step,
-                    "rank": rank,
-                    "problem": sample.row["problem"],
-                    "completion": sample.completion["text"],
-                    **grade_._asdict(),
-                    "advantage": advantage,
-                    "versions": sample.completion["versions"],
-                    "finish_reason": sample.completion["finish_reason"],
-                    "seed": sample.seed,
-                }
-                rollout_log.write(json.dumps(record) + "\n")
+        write_rollouts(args.rollout_log.replace("{RANK}", str(rank)), step, rank, samples, grades, advantages.tolist())
         if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate())
-        log_metrics(metrics, step)
+            metrics.update(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device))
+        log_metrics(metrics, step, loggers)
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
-            if rank == 0:
-                model.config.save_pretrained(path)  # (these two create the directory)
-                tokenizer.save_pretrained(path)
-                with open(os.path.join(path, "args.json"), "w") as f:  # --resume and eval.py read them
-                    json.dump(run_args, f, indent=1)
-                if model.config.tie_word_embeddings:
-                    sd.pop("lm_head.weight", None)
-                save_file(
-                    {k: v.contiguous() for k, v in sd.items()},
-                    os.path.join(path, "model.safetensors"),
-                    metadata={"format": "pt"},
-                )
-            del sd
-            msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
-            torch.save(
-                {
-                    "step": step,
-                    "version": version,
-                    "data_pos": data_pos,
-                    "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(),
-                },
-                os.path.join(path, "trainer", f"rank{rank}.pt"),
-            )
+            counters = {"step": step, "version": version, "data_pos": data_pos}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args, rank)
             log.info("saved %s", path)
             dist.barrier()  # every rank has written its part of the new checkpoint before an older one is deleted
             if rank == 0:

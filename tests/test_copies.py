@@ -28,6 +28,9 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "push_weights": ("one model, a gathered FSDP2 model, or several servers", []),
     "policy_loss": ("GRPO's clipped loss, or the pipeline's off-policy corrections", []),
     "verify_weights": ("one server, or several", []),
+    "evaluate": ("one process, or each rank its share with the counts summed over ranks", []),
+    "write_rollouts": ("each task's fields, and the rank that sampled them", []),
+    "save_checkpoint": ("one model (and its LoRA adapter), or the ranks' shards of an FSDP2 model", []),
     "start_vllm_server": ("a trainer's server sleeps and syncs; eval's only generates", []),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
