@@ -290,40 +290,41 @@ def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: fl
     logprobs): at any other temperature the ratio, the TIS weight and the gradient would belong to another policy.
     No [b, L, V] fp32 log_softmax: the lm_head runs on `chunk` positions at a time and is recomputed in backward (one
     [chunk, V] block alive). Returns the logprobs [N] and the policy's entropy at those positions [N] (a diagnostic:
-    no gradient)."""
+    no gradient, from the forward pass's logits: see entropy_rows)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[targets_at]  # [N, H]: position t predicts token t+1
     targets = input_ids[:, 1:].reshape(-1)[targets_at]  # [N]
+    entropies = {}  # block start -> the policy's entropy at its positions [chunk]
 
-    def block(h_c, t_c):
-        logits = model.lm_head(h_c).float() / temperature  # [chunk, V]
-        return logits.gather(1, t_c[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [chunk]
+    def block(start, h_c, t_c):
+        z = model.lm_head(h_c).float() / temperature  # [chunk, V]
+        log_z = torch.logsumexp(z, dim=-1)  # [chunk]
+        if start not in entropies:  # the forward pass; checkpoint's recomputation in backward finds it done
+            entropies[start] = entropy_rows(z, log_z)
+        return z.gather(1, t_c[:, None])[:, 0] - log_z  # [chunk]
 
     blocks = [
-        checkpoint(block, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        checkpoint(block, i, h[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
         for i in range(0, h.shape[0], chunk)
     ]
-    return torch.cat(blocks), policy_entropy(model, h, temperature, chunk)  # [N], [N]
+    return torch.cat(blocks), torch.cat([entropies[i] for i in range(0, h.shape[0], chunk)])  # [N], [N]
 
 
-def policy_entropy(model, h, temperature: float, chunk: int):
-    """The policy's entropy at each position of h [N, H], in nats: H = -sum_v p_v log p_v = log Z - sum_v p_v z_v with
-    z = logits / temperature. A diagnostic: no gradient, and a pass of its own over the lm_head (one more matmul per
-    chunk) rather than inside token_logprobs' checkpointed blocks, whose recomputation in backward would repeat it at
-    the moment memory peaks (bench/logprobs.py measures what it costs)."""
+def entropy_rows(z, log_z, rows: int = 16):
+    """The policy's entropy at each row of z = logits / temperature [n, V], in nats: H = -sum_v p_v log p_v =
+    log Z - sum_v p_v z_v, with log_z [n] = log Z. A diagnostic: no gradient; `rows` rows at a time, so that one
+    [rows, V] block lives beside z, not a second [n, V] one."""
     import torch
 
-    entropies = []
     with torch.no_grad():
-        for i in range(0, h.shape[0], chunk):
-            z = model.lm_head(h[i : i + chunk]).float() / temperature  # [chunk, V]
-            log_z = torch.logsumexp(z, dim=-1)  # [chunk]
-            p_times_z = torch.softmax(z, dim=-1).mul_(z)  # [chunk, V], in place: one block besides z
-            entropies.append(log_z - p_times_z.sum(dim=-1))
-    return torch.cat(entropies)  # [N]
+        parts = [
+            log_z[j : j + rows] - torch.softmax(z[j : j + rows], dim=-1).mul_(z[j : j + rows]).sum(dim=-1)
+            for j in range(0, z.shape[0], rows)
+        ]  # each [rows]; softmax's block multiplied in place
+    return torch.cat(parts)  # [n]
 
 
 def as_rows(flat, mask):

@@ -57,6 +57,43 @@ def test_entropy_equals_a_full_softmax_reference(module, model, temperature):
     assert not entropy.requires_grad  # a diagnostic: no gradient flows through it
 
 
+@pytest.mark.parametrize("module", TRAINERS, ids=lambda m: m.__name__)
+def test_the_lm_head_runs_twice_per_block_with_a_gradient_and_the_entropy_once(module, model, monkeypatch):
+    """The entropy costs no lm_head pass of its own: with a gradient, each block's lm_head runs in the forward pass and
+    once more in checkpoint's recomputation in backward, and the entropy is computed once per block (not again in the
+    recomputation); without a gradient, once each. The gradient equals a plain full log_softmax's."""
+    seqs, n_prompt = batch()
+    ids, attn, mask, at = module.micro_batch(seqs, n_prompt, list(range(len(seqs))), pad_id=0, device=CPU)
+    blocks = math.ceil(int(mask.sum()) / 7)  # chunk=7 below
+    calls = {"lm_head": 0, "entropy": 0}
+    hook = model.lm_head.register_forward_hook(lambda *_: calls.update(lm_head=calls["lm_head"] + 1))
+    entropy_rows = module.entropy_rows
+
+    def counted(*a, **k):
+        calls["entropy"] += 1
+        return entropy_rows(*a, **k)
+
+    monkeypatch.setattr(module, "entropy_rows", counted)
+    try:
+        model.zero_grad(set_to_none=True)
+        flat, _ = module.token_logprobs(model, ids, attn, at, 0.7, chunk=7)
+        assert calls == {"lm_head": blocks, "entropy": blocks}
+        flat.sum().backward()
+        assert calls == {"lm_head": 2 * blocks, "entropy": blocks}
+        with torch.no_grad():
+            module.token_logprobs(model, ids, attn, at, 0.7, chunk=7)
+        assert calls == {"lm_head": 3 * blocks, "entropy": 2 * blocks}
+    finally:
+        hook.remove()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7  # [b, L-1, V]
+    log_p = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[at], dim=-1)  # [N, V]
+    log_p.gather(1, ids[:, 1:].reshape(-1)[at][:, None]).sum().backward()
+    assert max((got[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) < 1e-5
+    model.zero_grad(set_to_none=True)
+
+
 def loss_of(module, model, seqs, n_prompt, rows, advantages, masked, loss_type="grpo"):
     """The loss of `rows` as the trainer computes it for one micro-batch, the masked rows' tokens left out of it."""
     ids, attn, mask, at = module.micro_batch(seqs, n_prompt, rows, pad_id=0, device=CPU)
