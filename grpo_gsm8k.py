@@ -1514,14 +1514,11 @@ def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> 
 
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
+        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
     import datasets
 
-    if os.path.isdir(dataset):
-        path = os.path.join(dataset, f"{split}.jsonl")
-        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
-            if not any(line.strip() for line in f):
-                return []
-        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 

@@ -56,6 +56,7 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
       --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --max-lag 2 --records-per-version 64
 """
 
+import json
 import math
 import multiprocessing as mp
 import os
@@ -414,14 +415,11 @@ def with_retries(what: str, where: str, fn):
 
 def load_split(dataset: str, split: str) -> list[dict]:
     """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
+        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
     import datasets
 
-    if os.path.isdir(dataset):
-        path = os.path.join(dataset, f"{split}.jsonl")
-        with open(path) as f:  # datasets cannot read a file without rows (StopIteration): such a split is []
-            if not any(line.strip() for line in f):
-                return []
-        return list(datasets.load_dataset("json", data_files=path, split="train"))
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
