@@ -382,11 +382,13 @@ def test_an_adapter_is_read_once_per_load_and_outlives_its_files(toy, lora_serve
 
     # a request in flight on version 1 (vLLM's /v1/completions, streamed: its first chunk says it runs), held in the
     # engine by the server's /pause (vLLM's mode keep) while version 2 goes in and version 1's files go. Should it be
-    # over before the hold (900 tokens to go: only a machine stalled for seconds gets there), it is sent again.
+    # over before the hold (16 samples of 900 tokens to go: 14,400 tokens streamed; only a machine stalled for
+    # seconds gets there), it is sent again, at most 5 times.
+    n_samples = 16
     n_tokens = 900
     body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": n_tokens, "ignore_eos": True, "stream": True}
-    body |= {"temperature": 1.0, "seed": 0, "stream_options": {"include_usage": True}}
-    for _attempt in range(3):
+    body |= {"n": n_samples, "temperature": 1.0, "seed": 0, "stream_options": {"include_usage": True}}
+    for _attempt in range(5):
         with requests.post(lora_server + "/v1/completions", json=body, stream=True, timeout=120) as r:
             chunks = (line for line in r.iter_lines() if line)
             first = next(chunks)
@@ -401,10 +403,11 @@ def test_an_adapter_is_read_once_per_load_and_outlives_its_files(toy, lora_serve
             events = [json.loads(line.removeprefix(b"data: ")) for line in chunks if line != b"data: [DONE]"]
         if held["in_flight"]:
             break
-    assert held["in_flight"], "the long request was over before /pause in 3 attempts"
+    assert held["in_flight"], "the long request was over before /pause in 5 attempts"
     assert "error" not in events[-1], events[-1]
-    assert events[-1]["usage"]["completion_tokens"] == n_tokens
-    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == n_samples * n_tokens
+    finished = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
+    assert finished == dict.fromkeys(range(n_samples), "length")  # every sample ran to its last token
     assert requests.get(lora_server + "/health", timeout=10).ok
     again = G.generate(lora_server, GAP_PROMPTS[:1], 1, 1.0, 8, 1, [0], lora="policy")
     assert again[0]["completions"][0]["versions"] == [2]
