@@ -33,6 +33,7 @@ collective group. The whole algorithm is the ALGO LOGIC section and the loop at 
 import atexit
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -386,6 +387,144 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
     T = mask.shape[1]
     rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+class Batch(NamedTuple):  # a step's B samples as the update sees them, in the order of the step's samples
+    seqs: list[list[int]]  # [B] prompt + completion token ids, cut at --max-seq-len
+    n_prompt: list[int]  # [B] prompt tokens
+    n_comp: list[int]  # [B] completion tokens kept (0 if the cut ate the completion)
+    hit_limit: list[bool]  # [B] cut by --max-completion-tokens
+    cut: list[bool]  # [B] cut by --max-seq-len
+    zero_std: list[bool]  # [B/G] a group whose rewards are all equal (its advantages are 0)
+    fed: list[int]  # the samples fed through the model (--skip-zero-std-groups leaves those groups out)
+    masked: list[bool]  # [B] no gradient for this sample's tokens (--mask-truncated-completions)
+    trained: list[int]  # [B] tokens with a gradient
+
+
+def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
+    """Which of the step's samples the update sees, and which of their tokens get a gradient."""
+    G = args.group_size
+    seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
+    n_prompt = [len(sample.prompt_ids) for sample in samples]
+    n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]
+    hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]
+    cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
+    zero_std = zero_std_groups(rewards, G).tolist()
+    fed = [i for i in range(len(seqs)) if not (args.skip_zero_std_groups and zero_std[i // G])]
+    masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(seqs))]
+    trained = [0 if masked[i] else n_comp[i] for i in range(len(seqs))]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked, trained)
+
+
+def tokens_fed(batch: Batch) -> int:
+    """Completion tokens fed through the model (0: nothing to learn from)."""
+    return sum(batch.n_comp[i] for i in batch.fed)
+
+
+def tokens_trained(batch: Batch) -> int:
+    """Completion tokens with a gradient, at least 1 (a divisor)."""
+    return max(1, sum(batch.trained[i] for i in batch.fed))
+
+
+def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check):
+    """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
+    the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
+    Returns the step's statistics and whether it was bad (a non-finite loss or gradient: no update)."""
+    import torch
+
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    lengths = [len(batch.seqs[i]) for i in batch.fed]
+    micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    n_fed = max(1, len(batch.fed))
+    n_trained = tokens_trained(batch)
+    old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
+    stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0}
+    bad = False  # a non-finite loss or gradient: the step is skipped
+    for it in range(args.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for m, idx in enumerate(micro):
+            ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
+            train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
+            with autocast:
+                flat, entropy = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], [N]
+                logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
+                ref_lp = None
+                if ref_model is not None:
+                    with torch.no_grad():  # the reference at the same temperature: KL between sampling policies
+                        ref_flat, _ = token_logprobs(ref_model, ids, attn, at, args.train_temperature)
+                        ref_lp = as_rows(ref_flat, mask)
+            vllm_lp = sampler_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
+            if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
+                old_lp[m] = logprobs.detach()
+                stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
+                stats["entropy_sum"] += entropy.sum().item()
+            loss = policy_loss(
+                logprobs,
+                old_lp[m],
+                advantages[idx].to(device),
+                train_mask,
+                args.clip_eps_low,
+                args.clip_eps_high,
+                args.loss_type,
+                ref_logprobs=ref_lp,
+                beta=args.beta,
+                sampling_logprobs=vllm_lp,
+                tis_cap=args.tis_cap,
+                max_completion_length=args.max_completion_tokens,
+                stats=stats if it == 0 else None,
+            )
+            # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of the
+            # samples fed, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
+            weight = sum(batch.trained[i] for i in idx) / n_trained if args.loss_type == "dapo" else len(idx) / n_fed
+            loss = loss * weight
+            if not torch.isfinite(loss).item():
+                bad = True
+                break
+            loss.backward()
+            if it == 0:
+                stats["loss"] += loss.item()
+        if it == 0 and check is not None and not bad:
+            fed = tokens_fed(batch)  # before any update: a policy the server does not run teaches nothing
+            check(stats["mismatch_sum"] / fed if fed else float("nan"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
+        if bad or not torch.isfinite(grad_norm).item():
+            return stats, True
+        optimizer.step()
+    return stats, False
+
+
+def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict) -> dict:
+    """The step's metrics (docs/grpo_gsm8k.md, Logged metrics): from its grades, its batch, the update's `stats`,
+    the run's `counts` (completion_tokens, total_completion_tokens, skipped_steps, version) and `seconds` (generate_s,
+    grade_s, update_s, sync_s, step_s)."""
+    import numpy as np
+
+    fed = tokens_fed(batch)
+    trained = tokens_trained(batch)
+    return {
+        "loss": stats["loss"],
+        "grad_norm": stats.get("grad_norm", 0.0),
+        "reward": float(np.mean([g.reward for g in grades])),
+        "correct_rate": float(np.mean([g.correct for g in grades])),
+        "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
+        "avg_completion_length": counts["completion_tokens"] / len(grades),
+        "completion_tokens": counts["completion_tokens"],
+        "total_completion_tokens": counts["total_completion_tokens"],
+        "entropy": stats["entropy_sum"] / fed if fed else float("nan"),  # nan: no token was fed
+        "completion_truncated_rate": float(np.mean(batch.hit_limit)),
+        "seq_len_truncated_rate": float(np.mean(batch.cut)),
+        "frac_reward_zero_std": float(np.mean(batch.zero_std)),
+        "clip_frac": stats.get("clipped_tokens", 0.0) / trained,
+        "logprob_mismatch": stats["mismatch_sum"] / fed if fed else float("nan"),
+        "kl": stats.get("kl_sum", 0.0) / trained,
+        "tis_weight": stats.get("tis_weight_sum", trained) / trained,
+        "skipped_steps": counts["skipped_steps"],
+        "version": counts["version"],
+        **seconds,
+        "tokens_per_s": counts["completion_tokens"] / seconds["step_s"],
+    }
 
 
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
@@ -1645,7 +1784,6 @@ if __name__ == "__main__":
         print(f"resumed from {load_from} at step {step}", flush=True)
     if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
         init_adamw_state(optimizer)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
     if adapter is not None:  # the server runs the base it started with: only the adapter moves
         push_adapter(url, lora, version, args.lora_adapter_dir)
@@ -1663,7 +1801,7 @@ if __name__ == "__main__":
             push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
     # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
     served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (the autocast above)
+    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, trainer_dtype])
     transport = "adapter" if adapter is not None else args.sync_transport
     current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
@@ -1725,84 +1863,21 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
         # 4) which samples the update sees, and which of their tokens get a gradient
-        seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
-        n_prompt = [len(sample.prompt_ids) for sample in samples]
-        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
-        B = len(seqs)
-        G = args.group_size
-        hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]  # --max-completion-tokens
-        cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
-        zero_std = zero_std_groups(rewards, G).tolist()  # [B/G]
-        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i // G])]
-        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
-        trained = [0 if masked[i] else n_comp[i] for i in range(B)]  # tokens with a gradient, per sample
-        B_fed = max(1, len(fed))
-        T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
-        T_all = max(1, sum(trained[i] for i in fed))  # completion tokens with a gradient
+        batch = make_batch(samples, rewards, args)
 
         # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
         # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
         pushes = (step + 1) % args.sync_every_steps == 0
         if sleep_level:
             asleep_bytes = sleep_vllm(url, device, sleep_level if pushes else 1)
-        micro = [
-            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
-        ]
-        old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-        stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0}
-        bad = False  # a non-finite loss or gradient: the step is skipped
-        for it in range(args.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for m, idx in enumerate(micro):
-                ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
-                train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
-                with autocast:
-                    flat, entropy = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N], [N]
-                    logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
-                    ref_lp = None
-                    if ref_model is not None:
-                        with torch.no_grad():  # the reference at the same temperature: KL between sampling policies
-                            ref_flat, _ = token_logprobs(ref_model, ids, attn, at, args.train_temperature)
-                            ref_lp = as_rows(ref_flat, mask)
-                vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
-                if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
-                    old_lp[m] = logprobs.detach()
-                    stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
-                    stats["entropy_sum"] += entropy.sum().item()
-                loss = policy_loss(
-                    logprobs,
-                    old_lp[m],
-                    advantages[idx].to(device),
-                    train_mask,
-                    args.clip_eps_low,
-                    args.clip_eps_high,
-                    args.loss_type,
-                    ref_logprobs=ref_lp,
-                    beta=args.beta,
-                    sampling_logprobs=vllm_lp,
-                    tis_cap=args.tis_cap,
-                    max_completion_length=args.max_completion_tokens,
-                    stats=stats if it == 0 else None,
-                )
-                # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of
-                # the samples fed, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
-                weight = sum(trained[i] for i in idx) / T_all if args.loss_type == "dapo" else len(idx) / B_fed
-                loss = loss * weight
-                if not torch.isfinite(loss).item():
-                    bad = True
-                    break
-                loss.backward()
-                if it == 0:
-                    stats["loss"] += loss.item()
-            if it == 0 and fresh and not bad:  # before any update: a policy the server does not run teaches nothing
-                mismatch = stats["mismatch_sum"] / T_fed if T_fed else float("nan")
-                check_logprob_mismatch(mismatch, limit, step + 1, version, transport)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
-            if bad or not torch.isfinite(grad_norm).item():
-                bad = True
-                break
-            optimizer.step()
+        check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
+        if fresh:
+            check = functools.partial(
+                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport=transport
+            )
+        stats, bad = update_policy(
+            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
+        )
         if bad:  # skip the step: no update, nothing pushed
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
@@ -1837,32 +1912,20 @@ if __name__ == "__main__":
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens
-        metrics = {
-            "loss": stats["loss"],
-            "grad_norm": stats.get("grad_norm", 0.0),
-            "reward": rewards.mean().item(),
-            "correct_rate": float(np.mean([g.correct for g in grades])),
-            "parse_err_rate": float(np.mean([g.parse_error for g in grades])),
-            "avg_completion_length": new_tokens / B,
+        counts = {
             "completion_tokens": new_tokens,
             "total_completion_tokens": total_tokens,
-            "entropy": stats["entropy_sum"] / T_fed if T_fed else float("nan"),  # nan: no token was fed
-            "completion_truncated_rate": float(np.mean(hit_limit)),
-            "seq_len_truncated_rate": float(np.mean(cut)),
-            "frac_reward_zero_std": float(np.mean(zero_std)),
-            "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
-            "logprob_mismatch": stats["mismatch_sum"] / T_fed if T_fed else float("nan"),
-            "kl": stats.get("kl_sum", 0.0) / T_all,
-            "tis_weight": stats.get("tis_weight_sum", T_all) / T_all,
             "skipped_steps": skipped,
             "version": version,
+        }
+        seconds = {
             "generate_s": t_generated - t0,
             "grade_s": t_graded - t_generated,
             "update_s": t_updated - t_graded,
             "sync_s": sync_s,
             "step_s": time.time() - t0,
-            "tokens_per_s": new_tokens / (time.time() - t0),
         }
+        metrics = step_metrics(grades, batch, stats, counts, seconds)
         write_rollouts(args.rollout_log, step, samples, grades, advantages.tolist())
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))

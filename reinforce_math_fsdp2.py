@@ -24,6 +24,7 @@ LOGIC section and the loop at the bottom; FSDP2 is one function, setup_model.
 """
 
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -303,6 +304,134 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
     T = mask.shape[1]
     rows = [samples[i].completion["logprobs"][: n_comp[i]] for i in idx]
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
+
+
+class Batch(NamedTuple):  # a step's B samples as the update sees them, in the order of the step's samples
+    seqs: list[list[int]]  # [B] prompt + completion token ids, cut at --max-seq-len
+    n_prompt: list[int]  # [B] prompt tokens
+    n_comp: list[int]  # [B] completion tokens kept (0 if the cut ate the completion)
+    hit_limit: list[bool]  # [B] cut by --max-completion-tokens
+    cut: list[bool]  # [B] cut by --max-seq-len
+    zero_std: list[bool]  # [B/G] a group whose rewards are all equal (its advantages are 0)
+    fed: list[int]  # the samples fed through the model (--skip-zero-std-groups leaves those groups out)
+    masked: list[bool]  # [B] no gradient for this sample's tokens (--mask-truncated-completions)
+    trained: list[int]  # [B] tokens with a gradient
+
+
+def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
+    """Which of the step's samples the update sees, and which of their tokens get a gradient."""
+    G = args.group_size
+    seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
+    n_prompt = [len(sample.prompt_ids) for sample in samples]
+    n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]
+    hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]
+    cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
+    zero_std = zero_std_groups(rewards, G).tolist()
+    fed = [i for i in range(len(seqs)) if not (args.skip_zero_std_groups and zero_std[i // G])]
+    masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(seqs))]
+    trained = [0 if masked[i] else n_comp[i] for i in range(len(seqs))]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked, trained)
+
+
+def tokens_fed(batch: Batch) -> int:
+    """Completion tokens fed through the model (0: nothing to learn from)."""
+    return sum(batch.n_comp[i] for i in batch.fed)
+
+
+def tokens_trained(batch: Batch) -> int:
+    """Completion tokens with a gradient, at least 1 (a divisor)."""
+    return max(1, sum(batch.trained[i] for i in batch.fed))
+
+
+def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, fresh: bool, check):
+    """One optimizer step over this rank's micro-batches, every rank together. Every rank must run the same number of
+    forward/backward passes (each one all-gathers parameters), so ranks with fewer micro-batches run empty ones that
+    contribute 0. `check(mismatch)` runs on the step's figure over every rank's tokens, before the update, when no
+    rank sampled a stale version (`fresh` on all). Returns this rank's sums (loss, mismatch, entropy), the global
+    grad_norm, and whether the step was bad (a non-finite gradient: no update, on every rank alike)."""
+    import torch
+
+    device = next(model.parameters()).device
+    world_size = torch.distributed.get_world_size()
+    lengths = [len(batch.seqs[i]) for i in batch.fed]
+    micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs
+    n_trained = all_sum(device, sum(batch.trained[i] for i in batch.fed))[0]  # tokens with a gradient, all ranks
+    stats = {"loss": 0.0, "mismatch_sum": 0.0, "entropy_sum": 0.0}
+    optimizer.zero_grad(set_to_none=True)
+    for m in range(n_micro):
+        # an empty turn reuses a micro-batch (or sample 0, if this rank fed nothing) with weight 0
+        idx = micro[m] if m < len(micro) else (micro[0] if micro else [0])
+        # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
+        model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
+        ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
+        train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
+        flat, entropy = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], [N]
+        logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
+        # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens on all
+        # ranks, and times world_size because FSDP averages gradients over ranks, the sum over micro-batches and
+        # ranks is the token mean of the whole step: the single-process update.
+        weight = (sum(batch.trained[i] for i in idx) / max(n_trained, 1)) * world_size if m < len(micro) else 0.0
+        loss = reinforce_loss(logprobs, advantages[idx].to(device), train_mask) * weight
+        loss.backward()
+        if m < len(micro):
+            stats["loss"] += loss.item() / world_size
+            vllm_lp = sampler_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
+            stats["mismatch_sum"] += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
+            stats["entropy_sum"] += entropy.sum().item()
+    # the sampler's policy check, before the update: the step's figure over every rank's tokens (one small
+    # all-reduce), so that all ranks reach the same verdict and stop together
+    mismatch_all, fed_all, stale_ranks = all_sum(device, stats["mismatch_sum"], tokens_fed(batch), float(not fresh))
+    if stale_ranks == 0:
+        check(mismatch_all / fed_all if fed_all else float("nan"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+    if not math.isfinite(stats["grad_norm"]):  # every rank sees the same (global) norm, so all skip or none does
+        return stats, True
+    optimizer.step()
+    return stats, False
+
+
+def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict, device) -> dict:
+    """The step's metrics (docs/reinforce_math_fsdp2.md, Logged metrics), summed over the ranks in one small
+    all-reduce: from this rank's grades, batch and update `stats`, the run's `counts` (completion_tokens of this rank,
+    total_completion_tokens before this step, version) and `seconds` (sync_s, step_s). Every rank must call it."""
+    sums = all_sum(
+        device,
+        len(grades),
+        sum(g.reward for g in grades),
+        sum(g.correct for g in grades),
+        sum(g.parse_error for g in grades),
+        counts["completion_tokens"],
+        stats["loss"],
+        stats["mismatch_sum"],
+        stats["entropy_sum"],
+        tokens_fed(batch),
+        sum(batch.hit_limit),
+        sum(batch.cut),
+        sum(batch.zero_std),
+        len(batch.zero_std),
+    )
+    n, r_sum, correct, parse_err, tokens, loss_all, mismatch, entropy_all, fed = sums[:9]
+    n_hit_limit, n_cut, n_zero_std, n_groups = sums[9:]
+    return {
+        "loss": loss_all,
+        "grad_norm": stats["grad_norm"],
+        "reward": r_sum / n,
+        "correct_rate": correct / n,
+        "parse_err_rate": parse_err / n,
+        "avg_completion_length": tokens / n,
+        "completion_tokens": int(tokens),
+        "total_completion_tokens": int(counts["total_completion_tokens"] + tokens),
+        "entropy": entropy_all / fed if fed else float("nan"),  # nan: no token was fed
+        "completion_truncated_rate": n_hit_limit / n,
+        "seq_len_truncated_rate": n_cut / n,
+        "frac_reward_zero_std": n_zero_std / n_groups,
+        "logprob_mismatch": mismatch / fed if fed else float("nan"),
+        "version": counts["version"],
+        **seconds,
+        "tokens_per_s": tokens / seconds["step_s"],
+    }
 
 
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
@@ -767,6 +896,22 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
     return done
+
+
+def verify_weights(sync: Optional[dict], model) -> None:
+    """Call on every rank: all ranks gather the full state dict (a collective); rank 0 compares each tensor's sha256,
+    in the server's dtype, with the server's per-parameter checksums (of the weights it computes with)."""
+    import torch
+
+    state = full_state_dict(model)
+    if sync is None:  # not rank 0
+        return
+    theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
+    dtype = getattr(torch, sync["dtype"])
+    ours = {n: hashlib.sha256(t.to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest() for n, t in state.items()}
+    differ = [n for n in theirs if ours.get(n) != theirs[n]]
+    if differ:
+        raise RuntimeError(f"weights differ after the push: {differ[:5]}")
 
 
 def full_state_dict(model) -> dict:
@@ -1239,124 +1384,31 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
 
         # 4) which samples the update sees, and which of their tokens get a gradient (groups never straddle ranks)
-        seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
-        n_prompt = [len(sample.prompt_ids) for sample in samples]
-        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
-        B = len(seqs)
-        G = args.group_size
-        hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]  # --max-completion-tokens
-        cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
-        zero_std = zero_std_groups(rewards, G).tolist()  # [B/G]
-        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i // G])]
-        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
-        trained = [0 if masked[i] else n_comp[i] for i in range(B)]  # tokens with a gradient, per sample
+        batch = make_batch(samples, rewards, args)
 
-        # 5) loss and update. Every rank must run the same number of forward/backward passes (each one
-        # all-gathers parameters), so ranks with fewer micro-batches run empty ones that contribute 0.
-        micro = [
-            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
-        ]
-        n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs
-        T_global = all_sum(device, sum(trained[i] for i in fed))[
-            0
-        ]  # tokens with a gradient this step, all ranks together
-        loss_sum = 0.0
-        mismatch_sum = 0.0
-        entropy_sum = 0.0
-        optimizer.zero_grad(set_to_none=True)
-        for m in range(n_micro):
-            # an empty turn reuses a micro-batch (or sample 0, if this rank fed nothing) with weight 0
-            idx = micro[m] if m < len(micro) else (micro[0] if micro else [0])
-            # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
-            model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
-            ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id, device)
-            train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
-            flat, entropy = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], [N]
-            logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
-            # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens
-            # on all ranks, and times world_size because FSDP averages gradients over ranks, the sum over
-            # micro-batches and ranks is the token mean of the whole step: the single-process update.
-            weight = (sum(trained[i] for i in idx) / max(T_global, 1)) * world_size if m < len(micro) else 0.0
-            loss = reinforce_loss(logprobs, advantages[idx].to(device), train_mask) * weight
-            loss.backward()
-            if m < len(micro):
-                loss_sum += loss.item() / world_size
-                vllm_lp = sampler_logprobs(samples, idx, n_comp, mask)  # [b, T]
-                mismatch_sum += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
-                entropy_sum += entropy.sum().item()
-        # the sampler's policy check, before the update: the step's figure over every rank's tokens (one small
-        # all-reduce), so that all ranks reach the same verdict and stop together
-        mismatch_all, fed_all, stale_ranks = all_sum(
-            device, mismatch_sum, sum(n_comp[i] for i in fed), float(not fresh)
+        # 5) loss and update, every rank together; before it, the check that the server samples this policy
+        check = functools.partial(
+            check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
         )
-        if stale_ranks == 0:
-            step_mismatch = mismatch_all / fed_all if fed_all else float("nan")
-            check_logprob_mismatch(step_mismatch, limit, step + 1, version, "collective")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
-        if math.isfinite(grad_norm):  # every rank sees the same (global) norm, so all skip or none does
-            optimizer.step()
-        else:
+        stats, bad = update_policy(
+            model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, fresh, check
+        )
+        if bad:
             log.warning("non-finite gradient at step %d: step skipped", step)
         step += 1
         # 6) push weights to vLLM: all ranks gather, rank 0 broadcasts
         t_sync = time.time()
         version += 1
         push_weights(sync, model, version)
-        if args.verify_sync:  # all ranks gather the full state dict; rank 0 compares it with the server's
-            sd = full_state_dict(model)
-            if rank == 0:
-                got = requests.get(url + "/weights_checksum", timeout=600, headers=auth_headers())
-                theirs = got.json()["checksums"]
-                dtype = getattr(torch, sync["dtype"])
-                ours = {
-                    n: hashlib.sha256(t.to(dtype).contiguous().view(torch.uint8).numpy()).hexdigest()
-                    for n, t in sd.items()
-                }
-                differ = [n for n in theirs if ours.get(n) != theirs[n]]
-                if differ:
-                    raise RuntimeError(f"weights differ after the push: {differ[:5]}")
+        if args.verify_sync:
+            verify_weights(sync, model)
         sync_s = time.time() - t_sync
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
-        sums = all_sum(
-            device,
-            len(samples),
-            rewards.sum().item(),
-            sum(g.correct for g in grades),
-            sum(g.parse_error for g in grades),
-            new_tokens,
-            loss_sum,
-            mismatch_sum,
-            entropy_sum,
-            sum(n_comp[i] for i in fed),
-            sum(hit_limit),
-            sum(cut),
-            sum(zero_std),
-            len(zero_std),
-        )
-        n, r_sum, correct, parse_err, tokens, loss_all, mismatch, entropy_all, tokens_fed = sums[:9]
-        n_hit_limit, n_cut, n_zero_std, n_groups = sums[9:]
-        total_tokens += tokens
-        metrics = {
-            "loss": loss_all,
-            "grad_norm": grad_norm,
-            "reward": r_sum / n,
-            "correct_rate": correct / n,
-            "parse_err_rate": parse_err / n,
-            "avg_completion_length": tokens / n,
-            "completion_tokens": int(tokens),
-            "total_completion_tokens": int(total_tokens),
-            "entropy": entropy_all / tokens_fed if tokens_fed else float("nan"),  # nan: no token was fed
-            "completion_truncated_rate": n_hit_limit / n,
-            "seq_len_truncated_rate": n_cut / n,
-            "frac_reward_zero_std": n_zero_std / n_groups,
-            "logprob_mismatch": mismatch / tokens_fed if tokens_fed else float("nan"),
-            "version": version,
-            "sync_s": sync_s,
-            "step_s": time.time() - t0,
-            "tokens_per_s": tokens / (time.time() - t0),
-        }
+        counts = {"completion_tokens": new_tokens, "total_completion_tokens": total_tokens, "version": version}
+        seconds = {"sync_s": sync_s, "step_s": time.time() - t0}
+        metrics = step_metrics(grades, batch, stats, counts, seconds, device)
+        total_tokens = metrics["total_completion_tokens"]
         write_rollouts(args.rollout_log.replace("{RANK}", str(rank)), step, rank, samples, grades, advantages.tolist())
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device))

@@ -32,6 +32,8 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "write_rollouts": ("each task's fields, and the rank that sampled them", []),
     "save_checkpoint": ("one model (and its LoRA adapter), or the ranks' shards of an FSDP2 model", []),
     "start_vllm_server": ("a trainer's server sleeps and syncs; eval's only generates", []),
+    "update_policy": ("GRPO's loss in one process, or REINFORCE's over FSDP2's ranks", []),
+    "step_metrics": ("one process's, or summed over the ranks", []),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
         [TRAINERS],
