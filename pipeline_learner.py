@@ -52,6 +52,7 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -63,7 +64,7 @@ import time
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import requests  # torch and transformers are imported in main, after the arguments are parsed
 
@@ -295,6 +296,89 @@ def sampler_logprobs(records: list[dict], idx: list[int], n_comp: list[int], mas
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], dtype=torch.float32, device=mask.device)
 
 
+class Batch(NamedTuple):  # a step's B records as the update sees them, in the order they were popped
+    seqs: list[list[int]]  # [B] prompt + completion token ids, cut at --max-seq-len
+    n_prompt: list[int]  # [B] prompt tokens
+    n_comp: list[int]  # [B] completion tokens kept (0 if the cut ate the completion)
+    hit_limit: list[bool]  # [B] cut by the actor's --max-completion-tokens
+    cut: list[bool]  # [B] cut by --max-seq-len
+    zero_std: list[bool]  # [B] a record whose group's rewards were all equal (its advantage is exactly 0)
+    fed: list[int]  # the records fed through the model (--skip-zero-std-groups leaves those out)
+    masked: list[bool]  # [B] no gradient for this record's tokens (--mask-truncated-completions)
+
+
+def make_batch(records: list[dict], args: Args) -> Batch:
+    """Which of the step's records the update sees, and which of their tokens get a gradient. A batch need not hold
+    whole groups: a record carries its group's verdict in its advantage."""
+    seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in records]
+    n_prompt = [len(rec["prompt_token_ids"]) for rec in records]
+    n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]
+    hit_limit = [rec.get("finish_reason") == "length" for rec in records]
+    cut = [len(rec["prompt_token_ids"]) + len(rec["completion_token_ids"]) > args.max_seq_len for rec in records]
+    zero_std = [rec["advantage"] == 0.0 for rec in records]
+    fed = [i for i in range(len(records)) if not (args.skip_zero_std_groups and zero_std[i])]
+    masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(records))]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked)
+
+
+def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Args, pad_id: int, version: int, check):
+    """One optimizer step over all micro-batches of the records fed. The logprob mismatch is measured on the tokens
+    sampled by `version`, the weights this learner holds; `check(mismatch)` runs on it before the update (None: those
+    weights are not the servers'). Returns the step's statistics and whether the weights were updated (not after a
+    non-finite loss or gradient)."""
+    import torch
+
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    advantages = torch.tensor([rec["advantage"] for rec in records], dtype=torch.float32)  # [B]
+    lengths = [len(batch.seqs[i]) for i in batch.fed]
+    micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    n_fed = max(1, len(batch.fed))
+    stats = {"loss": 0.0, "entropy_sum": 0.0}
+    mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
+    fresh_tokens = 0  # those tokens
+    bad = False  # a non-finite loss: no update
+    optimizer.zero_grad(set_to_none=True)
+    for idx in micro:
+        ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
+        train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
+        with autocast:
+            flat, entropy = token_logprobs(model, ids, attn, at, args.temperature)  # [N], [N]
+            logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
+        stats["entropy_sum"] += entropy.sum().item()
+        mu = sampler_logprobs(records, idx, batch.n_comp, mask)  # [b, T]: the sampling policy's logprobs
+        sampled_now = torch.tensor([version == records[i]["version_min"] for i in idx], device=device)  # [b]
+        fresh = sampled_now[:, None] * mask  # [b, T]: tokens sampled by the weights we hold
+        mismatch_sum += ((logprobs.detach() - mu).abs() * fresh).sum().item()
+        fresh_tokens += fresh.sum().item()
+        loss = policy_loss(
+            logprobs,
+            mu,
+            advantages[idx].to(device),
+            train_mask,
+            args.loss,
+            args.clip_eps_low,
+            args.clip_eps_high,
+            args.tis_cap,
+            stats=stats,
+        )
+        loss = loss * len(idx) / n_fed  # a mean over sequences: micro-batches add up to the batch's loss
+        if not torch.isfinite(loss):
+            bad = True
+            break
+        loss.backward()
+        stats["loss"] += loss.item()
+    stats["mismatch"] = mismatch_sum / fresh_tokens if fresh_tokens else float("nan")  # nan: no record of lag 0
+    if check is not None and not bad:  # before the update: records sampled by weights we do not hold teach nothing
+        check(stats["mismatch"])
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    stats["grad_norm"] = grad_norm.item()
+    updated = not bad and torch.isfinite(grad_norm).item()
+    if updated:
+        optimizer.step()
+    return stats, updated
+
+
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
 # weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
 # loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
@@ -374,6 +458,59 @@ def decode_record(raw: bytes, vocab_size: int, temperature: float = 1.0) -> tupl
         why = f"{told}, but this learner trains at --temperature {temperature}: its logprobs are another policy's"
         return None, why
     return rec, None
+
+
+def pop_records(r, args: Args, version: int, vocab_size: int, counts: Counter, where: str):
+    """Pop records from the queue until --batch-size of them can be trained on: each is decoded and checked
+    (decode_record), a record ahead of this learner's `version` is rejected, one whose lag is past --max-lag dropped.
+    `counts` (trained, dropped, rejected) grows. Returns the records to train on, the lags popped (lag -> records),
+    the seconds spent waiting for the queue, and one rollout-log line per record popped."""
+    records = []
+    lags = Counter()
+    t_wait = 0.0
+    popped_log = []
+    last_note = time.time()
+    while len(records) < args.batch_size:
+        tw = time.time()
+        item = with_retries("BLPOP", where, lambda: r.blpop([args.queue_key], timeout=5))
+        t_wait += time.time() - tw
+        if item is None:  # nothing for 5 s: say so every 30 s
+            if time.time() - last_note > 30:
+                print(f"waiting for records in {args.queue_key}", flush=True)
+                last_note = time.time()
+            continue
+        raws = [item[1]]
+        more = args.batch_size - len(records) - 1
+        if more:
+            raws += with_retries("LPOP", where, lambda more=more: r.lpop(args.queue_key, more)) or []
+        for raw in raws:
+            rec, why = decode_record(raw, vocab_size, args.temperature)
+            if rec is not None and rec["version_max"] > version:
+                why = f"version {rec['version_max']} is ahead of this learner's {version}"
+                rec = None
+            if rec is None:
+                counts["rejected"] += 1
+                print(f"WARNING: rejected a record of {len(raw)} bytes: {why}", flush=True)
+                popped_log.append({"status": "rejected", "reason": why, "bytes": len(raw)})
+                continue
+            lag = version - rec["version_max"]
+            lags[lag] += 1
+            status = "dropped" if lag > args.max_lag else "trained"
+            counts[status] += 1
+            popped_log.append(
+                {
+                    "status": status,
+                    "id": rec["id"],
+                    "lag": lag,
+                    "version_min": rec["version_min"],
+                    "version_max": rec["version_max"],
+                    "reward": rec["reward"],
+                    "advantage": rec["advantage"],
+                }
+            )
+            if status == "trained":
+                records.append(rec)
+    return records, lags, t_wait, popped_log
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -600,7 +737,77 @@ def with_retries(what: str, where: str, fn):
             delay = min(2 * delay, 30.0)
 
 
-# The run's files: its checkpoints, the arguments saved with them, its rollout log
+# Logging and the run's files: its checkpoints, the arguments saved with them, its rollout log
+def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
+    """The step's metrics, to each of `loggers`: one printed line, W&B (wandb.init ran in main; text metrics such as
+    lag_hist are printed only)."""
+    text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+    if "print" in loggers:
+        print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
+
+
+def step_metrics(records: list[dict], batch: Batch, stats: dict, lags: Counter, totals: dict, seconds: dict) -> dict:
+    """The step's metrics (docs/pipeline.md, Logged metrics): from its records, its batch, the update's `stats`, the
+    lags popped, the run's `totals` (dropped, rejected, trained, max_lag, queue_len, version) and `seconds` (wait_s,
+    sync_s, step_s)."""
+    B = len(records)
+    fed = sum(batch.n_comp[i] for i in batch.fed)  # completion tokens fed through the model (0: nothing to learn)
+    tokens = max(1.0, stats.get("tokens", 0.0))  # completion tokens of the batch
+    step_s = seconds["step_s"]
+    return {
+        "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "reward": sum(x["reward"] for x in records) / B,
+        "avg_completion_length": sum(batch.n_comp) / B,
+        "entropy": stats["entropy_sum"] / fed if fed else float("nan"),  # nan: no token was fed
+        "completion_truncated_rate": sum(batch.hit_limit) / B,
+        "seq_len_truncated_rate": sum(batch.cut) / B,
+        "frac_reward_zero_std": sum(batch.zero_std) / B,
+        "clip_frac": stats.get("clipped_tokens", 0.0) / tokens,
+        "ratio": stats.get("ratio_sum", tokens) / tokens,
+        "logprob_mismatch": stats["mismatch"],
+        "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
+        "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
+        "mixed_versions": sum(x["version_min"] != x["version_max"] for x in records),
+        "dropped": sum(v for k, v in lags.items() if k > totals["max_lag"]),
+        "dropped_total": totals["dropped"],
+        "rejected_total": totals["rejected"],
+        "trained_total": totals["trained"],
+        "samples_per_s": B / step_s,
+        "idle_frac": seconds["wait_s"] / step_s,
+        "queue_len": totals["queue_len"],
+        "version": totals["version"],
+        "sync_s": seconds["sync_s"],
+        "step_s": step_s,
+    }
+
+
+def write_rollouts(path: str, step: int, popped_log: list[dict]) -> None:
+    """Append one line per record popped this step (trained, dropped or rejected, and why) to the JSONL file at
+    `path`."""
+    with open(path, "a") as rollout_log:
+        for line in popped_log:
+            rollout_log.write(json.dumps({"step": step, **line}) + "\n")
+
+
+def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_args: dict) -> None:
+    """A checkpoint at `path`: the model in Hugging Face format (vLLM and transformers load it as it is), the
+    tokenizer, the run's arguments (--resume reads them) and trainer_state.pt (the optimizer, `counters`, torch's
+    random generator)."""
+    import torch
+
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(run_args, f, indent=1)
+    state = {"optimizer": optimizer.state_dict(), **counters, "torch_rng": torch.get_rng_state()}
+    torch.save(state, os.path.join(path, "trainer_state.pt"))
+
+
 def checkpoint_steps(checkpoint_dir: str) -> list[int]:
     """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
     if not os.path.isdir(checkpoint_dir):
@@ -717,13 +924,6 @@ if __name__ == "__main__":
 
         wandb.init(config=dataclasses.asdict(args), resume="allow")
 
-    def log_metrics(metrics: dict, step: int) -> None:
-        text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
-        if "print" in loggers:
-            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in text.items()), flush=True)
-        if "wandb" in loggers:
-            wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
-
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
     step = 0  # optimizer steps taken
     version = 0  # the policy version the servers hold (one per push)
@@ -745,7 +945,6 @@ if __name__ == "__main__":
         counts = Counter(state["counts"])
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     # the servers' group, then our weights first: above every version the servers (and the queue) have seen
     print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
@@ -769,114 +968,22 @@ if __name__ == "__main__":
     while step < args.train_steps:
         t0 = time.time()
         # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
-        batch = []  # the records trained on this step
-        lags = Counter()  # lag -> records popped this step
-        t_wait = 0.0  # seconds spent waiting for the queue
-        popped_log = []  # one rollout-log line per popped record
-        last_note = time.time()
-        while len(batch) < args.batch_size:
-            tw = time.time()
-            item = with_retries("BLPOP", where, lambda: r.blpop([args.queue_key], timeout=5))
-            t_wait += time.time() - tw
-            if item is None:  # nothing for 5 s: say so every 30 s
-                if time.time() - last_note > 30:
-                    print(f"waiting for records in {args.queue_key}", flush=True)
-                    last_note = time.time()
-                continue
-            raws = [item[1]]
-            more = args.batch_size - len(batch) - 1
-            if more:
-                raws += with_retries("LPOP", where, lambda more=more: r.lpop(args.queue_key, more)) or []
-            for raw in raws:
-                rec, why = decode_record(raw, vocab_size, args.temperature)
-                if rec is not None and rec["version_max"] > version:
-                    why = f"version {rec['version_max']} is ahead of this learner's {version}"
-                    rec = None
-                if rec is None:
-                    counts["rejected"] += 1
-                    print(f"WARNING: rejected a record of {len(raw)} bytes: {why}", flush=True)
-                    popped_log.append({"status": "rejected", "reason": why, "bytes": len(raw)})
-                    continue
-                lag = version - rec["version_max"]
-                lags[lag] += 1
-                status = "dropped" if lag > args.max_lag else "trained"
-                counts[status] += 1
-                popped_log.append(
-                    {
-                        "status": status,
-                        "id": rec["id"],
-                        "lag": lag,
-                        "version_min": rec["version_min"],
-                        "version_max": rec["version_max"],
-                        "reward": rec["reward"],
-                        "advantage": rec["advantage"],
-                    }
-                )
-                if status == "trained":
-                    batch.append(rec)
+        records, lags, t_wait, popped_log = pop_records(r, args, version, vocab_size, counts, where)
 
-        # 2) which records the update sees, and which of their tokens get a gradient. A batch need not hold whole
-        # groups, but a group whose rewards were all equal gave each of its records an advantage of exactly 0
-        seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in batch]
-        n_prompt = [len(rec["prompt_token_ids"]) for rec in batch]
-        n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]  # completion tokens kept
-        advantages = torch.tensor([rec["advantage"] for rec in batch], dtype=torch.float32)  # [B]
-        B = len(batch)
-        hit_limit = [rec.get("finish_reason") == "length" for rec in batch]  # the actor's --max-completion-tokens
-        cut = [len(rec["prompt_token_ids"]) + len(rec["completion_token_ids"]) > args.max_seq_len for rec in batch]
-        zero_std = [rec["advantage"] == 0.0 for rec in batch]
-        fed = [i for i in range(B) if not (args.skip_zero_std_groups and zero_std[i])]
-        masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(B)]
-        B_fed = max(1, len(fed))
-        T_fed = sum(n_comp[i] for i in fed)  # completion tokens fed through the model (0: nothing to learn from)
+        # 2) which records the update sees, and which of their tokens get a gradient
+        batch = make_batch(records, args)
 
-        # 3) loss and update: one optimizer step over all micro-batches of the records fed
-        micro = [
-            [fed[j] for j in mb] for mb in pack_micro_batches([len(seqs[i]) for i in fed], args.micro_token_budget)
-        ]
-        stats = {"loss": 0.0}
-        entropy_sum = 0.0
-        mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
-        fresh_tokens = 0  # those tokens
-        bad = False  # a non-finite loss: no update
-        optimizer.zero_grad(set_to_none=True)
-        for idx in micro:
-            ids, attn, mask, at = micro_batch(seqs, n_prompt, idx, tokenizer.pad_token_id or 0, device)
-            train_mask = mask * torch.tensor([not masked[i] for i in idx], device=device)[:, None]  # [b, T]
-            with autocast:
-                flat, entropy = token_logprobs(model, ids, attn, at, args.temperature)  # [N], [N]
-                logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
-            entropy_sum += entropy.sum().item()
-            mu = sampler_logprobs(batch, idx, n_comp, mask)  # [b, T]: the sampling policy's logprobs
-            sampled_now = torch.tensor([version == batch[i]["version_min"] for i in idx], device=device)  # [b]
-            fresh = sampled_now[:, None] * mask  # [b, T]: tokens sampled by the weights we hold
-            mismatch_sum += ((logprobs.detach() - mu).abs() * fresh).sum().item()
-            fresh_tokens += fresh.sum().item()
-            loss = policy_loss(
-                logprobs,
-                mu,
-                advantages[idx].to(device),
-                train_mask,
-                args.loss,
-                args.clip_eps_low,
-                args.clip_eps_high,
-                args.tis_cap,
-                stats=stats,
+        # 3) loss and update: one optimizer step over all micro-batches of the records fed; before it, the check that
+        # the servers sample this policy (on the records of lag 0, if the servers hold the weights we hold)
+        check = None
+        if current:
+            check = functools.partial(
+                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
             )
-            loss = loss * len(idx) / B_fed  # a mean over sequences: micro-batches add up to the batch's loss
-            if not torch.isfinite(loss):
-                bad = True
-                break
-            loss.backward()
-            stats["loss"] += loss.item()
-        mismatch = mismatch_sum / fresh_tokens if fresh_tokens else float("nan")  # nan: no record of lag 0 trained
-        if current and not bad:  # before the update: records sampled by weights we do not hold teach nothing
-            check_logprob_mismatch(mismatch, limit, step + 1, version, "collective")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        updated = not bad and torch.isfinite(grad_norm).item()
-        if updated:
-            optimizer.step()
-        else:  # no update (the push below still marks the step)
+        stats, updated = update_policy(
+            model, optimizer, batch, records, args, tokenizer.pad_token_id or 0, version, check
+        )
+        if not updated:  # no update (the push below still marks the step)
             print(f"WARNING: non-finite loss or gradient at step {step}: update skipped", flush=True)
         step += 1
 
@@ -892,55 +999,23 @@ if __name__ == "__main__":
             current = False
 
         # 5) log, checkpoint
-        step_s = time.time() - t0
-        T_all = max(1.0, stats.get("tokens", 0.0))  # completion tokens of the batch
         queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-        metrics = {
-            "loss": stats["loss"],
-            "grad_norm": grad_norm.item(),
-            "reward": sum(x["reward"] for x in batch) / B,
-            "avg_completion_length": sum(n_comp) / B,
-            "entropy": entropy_sum / T_fed if T_fed else float("nan"),  # nan: no token was fed
-            "completion_truncated_rate": sum(hit_limit) / B,
-            "seq_len_truncated_rate": sum(cut) / B,
-            "frac_reward_zero_std": sum(zero_std) / B,
-            "clip_frac": stats.get("clipped_tokens", 0.0) / T_all,
-            "ratio": stats.get("ratio_sum", T_all) / T_all,
-            "logprob_mismatch": mismatch,
-            "lag_hist": ",".join(f"{k}:{v}" for k, v in sorted(lags.items())),
-            "lag_mean": sum(k * v for k, v in lags.items()) / max(1, sum(lags.values())),
-            "mixed_versions": sum(x["version_min"] != x["version_max"] for x in batch),
-            "dropped": sum(v for k, v in lags.items() if k > args.max_lag),
-            "dropped_total": counts["dropped"],
-            "rejected_total": counts["rejected"],
-            "trained_total": counts["trained"],
-            "samples_per_s": B / step_s,
-            "idle_frac": t_wait / step_s,
+        totals = {
+            "dropped": counts["dropped"],
+            "rejected": counts["rejected"],
+            "trained": counts["trained"],
+            "max_lag": args.max_lag,
             "queue_len": queue_len,
             "version": version,
-            "sync_s": sync_s,
-            "step_s": step_s,
         }
-        log_metrics(metrics, step)
+        seconds = {"wait_s": t_wait, "sync_s": sync_s, "step_s": time.time() - t0}
+        log_metrics(step_metrics(records, batch, stats, lags, totals, seconds), step, loggers)
         if args.rollout_log:
-            with open(args.rollout_log, "a") as rollout_log:
-                for line in popped_log:
-                    rollout_log.write(json.dumps({"step": step, **line}) + "\n")
+            write_rollouts(args.rollout_log, step, popped_log)
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            model.save_pretrained(path)  # Hugging Face format: vLLM and transformers load it as it is
-            tokenizer.save_pretrained(path)
-            with open(os.path.join(path, "args.json"), "w") as f:  # --resume reads them
-                json.dump(run_args, f, indent=1)
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "version": version,
-                    "counts": dict(counts),
-                    "torch_rng": torch.get_rng_state(),
-                },
-                os.path.join(path, "trainer_state.pt"),
+            save_checkpoint(
+                path, model, tokenizer, optimizer, {"step": step, "version": version, "counts": dict(counts)}, run_args
             )
             prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)

@@ -14,6 +14,7 @@ SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pip
 
 GSM8K = ("grpo_gsm8k.py", "pipeline_actor.py")  # the two that grade GSM8K the same way
 TRAINERS = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py")
+ON_POLICY = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py")  # the trainers that sample their own batches
 DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies must still be identical)
     "Args": ("each script's own flags", []),
     "Sample": ("what each script keeps of a completion", []),
@@ -32,7 +33,10 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "write_rollouts": ("each task's fields, and the rank that sampled them", []),
     "save_checkpoint": ("one model (and its LoRA adapter), or the ranks' shards of an FSDP2 model", []),
     "start_vllm_server": ("a trainer's server sleeps and syncs; eval's only generates", []),
-    "update_policy": ("GRPO's loss in one process, or REINFORCE's over FSDP2's ranks", []),
+    "Batch": ("the pipeline's records carry their group's verdict, and no per-sample token count", [ON_POLICY]),
+    "make_batch": ("samples of whole groups, or the pipeline's records", [ON_POLICY]),
+    "log_metrics": ("the pipeline's text metrics (lag_hist) are printed, not sent to W&B", [ON_POLICY]),
+    "update_policy": ("GRPO's loss, REINFORCE's over FSDP2's ranks, or the pipeline's off-policy one", []),
     "step_metrics": ("one process's, or summed over the ranks", []),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
