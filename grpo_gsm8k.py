@@ -5,26 +5,23 @@ GRPO (Shao et al. 2024, DeepSeekMath) is PPO without a value network: sample a g
 score each with a verifiable reward (1 if the last \\boxed{} answer equals the gold answer), and use the reward minus
 the group's mean (optionally over the group's std) as every token's advantage. The policy maximises the clipped ratio
 objective of PPO; a KL penalty to a frozen reference is optional (off by default, as in DAPO and Dr. GRPO).
-  - generation runs in a separate vLLM server (vllm_sync_server.py) that takes new weights over a collective
-    group, or from a staging buffer it maps (one GPU for both), after every `--sync-every-steps` updates; its
-    sampling logprobs are returned too;
+  - generation runs in a separate vLLM server (vllm_sync_server.py) on a GPU of its own, which takes new weights over
+    a collective group this trainer hosts after every `--sync-every-steps` updates; its sampling logprobs are
+    returned too;
   - on-policy by default (`--num-iterations 1`): the ratio is then exactly 1 in value and the objective is plain
     REINFORCE with group baselines; with more iterations the ratio and the clip start to matter;
   - the small mismatch between vLLM's and the trainer's logprobs can be corrected by truncated importance sampling
     (`--tis-cap`), and is always logged (`logprob_mismatch`); past `--max-logprob-mismatch` on a step sampled by the
-    weights last pushed, the server is not running this policy and the run stops;
-  - `--lora-rank R` trains LoRA adapters on a frozen base instead of every weight; the server gets the base with the
-    adapters merged in, or the adapter alone (`--lora-sync`).
+    weights last pushed, the server is not running this policy and the run stops.
 
 What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
-(reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py) and a
-packed-sequence attention kernel. LoRA, the shared transport and vLLM's sleep mode (one GPU for both) and the checkpoint
-transport are this script's alone: reinforce_math_fsdp2.py and the pipeline train every weight and push over the
-collective group. The whole algorithm is the ALGO LOGIC section and the loop at the bottom.
+(reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), a packed-sequence
+attention kernel, and the machinery of a small card: one GPU for vLLM and the trainer, with vLLM asleep while the
+trainer updates, and LoRA (grpo_gsm8k_lora_one_gpu.py). The whole algorithm is the ALGO LOGIC section and the loop at
+the bottom.
 
-  # one GPU: vLLM beside the trainer (30% of the GPU, asleep while the trainer updates), weights through its memory
+  # two GPUs: vLLM on GPU 0 (started for you), the trainer on GPU 1
   python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
-  # two GPUs: the same command puts vLLM on GPU 0 and trains on GPU 1
   # or against a server you started yourself
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16
   CUDA_VISIBLE_DEVICES=1 python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-token-budget 16384
@@ -110,12 +107,6 @@ class Args:
     skip_zero_std_groups: bool = False
     """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
     normalised over the groups fed"""
-    lora_rank: int = 0
-    """rank of LoRA adapters trained on a frozen base (peft); 0: every weight trains"""
-    lora_alpha: float = 16.0
-    """LoRA's alpha: the adapters' update B A is scaled by alpha / rank"""
-    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """the linear layers that get adapters (the attention and MLP projections)"""
 
     # Generation
     train_temperature: float = 1.0
@@ -134,42 +125,28 @@ class Args:
     """address the server's workers reach this trainer at, for the weight-sync group (default: this machine's end of
     its connection to the server)"""
     start_server: bool = False
-    """launch vllm_sync_server.py (on GPU --vllm-gpu), wait for it, stop it at exit (SIGTERM, SIGINT too)"""
+    """launch vllm_sync_server.py (on GPU --vllm-gpu, this trainer on the next: two GPUs), wait for it, stop it at exit
+    (SIGTERM, SIGINT too)"""
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
     server_args: str = "--dtype bfloat16"
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
-    sync_transport: Literal["collective", "shared", "checkpoint"] = "collective"
+    sync_transport: Literal["collective", "checkpoint"] = "collective"
     """how the weights reach the server: `collective` broadcasts them over a group this trainer hosts (NCCL on GPU,
-    gloo on CPU); `shared` writes them into a staging buffer of this trainer's that a server on this machine maps
-    (CUDA IPC on one GPU, a /dev/shm file on CPU; one GPU with --start-server: `shared`); `checkpoint` saves them
-    under --sync-dir and the server loads the file (no group: for a server that cannot reach this trainer's ports but
-    shares its file system)"""
-    staging_mib: int = 0
-    """shared transport: the staging buffer's size in MiB, a window reused in rounds (0: the whole model at once)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """with --start-server on one GPU: the fraction of its memory vLLM may take (the trainer has the rest)"""
-    vllm_sleep_level: Optional[Literal[0, 1, 2]] = None
-    """vLLM sleeps while the trainer updates (1: its weights wait in CPU memory, 2: dropped, the push rewrites them;
-    0: never); default: 2 when the server shares this trainer's GPU (1 with --lora-sync adapter), else 0"""
+    gloo on CPU); `checkpoint` saves them under --sync-dir and the server loads the file (no group: for a server that
+    cannot reach this trainer's ports but shares its file system)"""
     sync_dir: str = "sync_checkpoints"
     """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
     --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
-    """after each push, compare the server's weight checksums with the trainer's (--lora-sync adapter: sample a few
-    tokens with the adapter just loaded and hold their logprobs to --max-logprob-mismatch)"""
+    """after each push, compare the server's weight checksums with the trainer's"""
     max_logprob_mismatch: Optional[float] = None
     """stop the run when the tokens of a step sampled by the weights this trainer pushed last and still holds differ
     from its own logprobs by more than this per token on average: the server does not compute with the weights pushed.
     Default: 1e-3 when the server and the trainer compute in float32, 0.1 when either computes in bfloat16 or float16;
     0: no check"""
-    lora_sync: Literal["merged", "adapter"] = "merged"
-    """with --lora-rank: push the base with the adapters merged in (any server), or only the adapter, which the server
-    (started with --enable-lora --max-lora-rank R; --start-server passes them) loads from --lora-adapter-dir"""
-    lora_adapter_dir: str = "lora_adapters"
-    """where --lora-sync adapter writes each version's adapter: a directory the server can read"""
 
     # Grading
     grade_timeout_s: float = 5.0
@@ -528,8 +505,8 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
 
 
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
-# weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
-# loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
+# weights than those pushed (a push that did not take, the base model kept, weights another process loaded)
+# shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
 # is numerics alone: about 2e-7 in float32 (vLLM on CPU against Hugging Face), about 1e-2 in bfloat16 (other kernels,
 # other rounding). The default limits sit far above those and far below a policy of other weights.
 MISMATCH_LIMITS = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.1}
@@ -903,10 +880,8 @@ def push_weights(sync: dict, model, version: int) -> dict:
     slower in bench/weight_sync.py. Returns the server's report."""
     import torch
 
-    if sync.get("transport") == "shared":
-        return push_shared(sync, model, version)
     dtype = getattr(torch, sync["dtype"])
-    named = base_named(model.named_parameters())  # LoRA: the merged base weights, under their own names
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
     params = [{"name": n, "dtype": sync["dtype"], "shape": list(p.shape)} for n, p in named]
     body = {"params": params, "version": version}
     answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
@@ -937,166 +912,6 @@ def push_weights(sync: dict, model, version: int) -> dict:
     return done
 
 
-def staging_layout(numels: list[int], window: Optional[int], align: int = 64) -> tuple[list[tuple[int, int]], int]:
-    """Where each tensor (of `numels` elements, in push order) goes in the shared transport's staging buffer: its
-    (round, element offset), each offset a multiple of `align` elements (whole cache lines for the copies). With a
-    `window` (elements) a tensor that does not fit in what is left of the window starts the next round at 0;
-    without, all go in round 0. Returns the places and the buffer's size in elements (a window grows to the largest
-    tensor: a tensor is never split)."""
-    cap = max(window, max(numels)) if window else None
-    places = []
-    round_ = 0
-    offset = 0  # where the next tensor may start in the current round
-    size = 0
-    for n in numels:
-        if cap is not None and offset > 0 and offset + n > cap:
-            round_ += 1
-            offset = 0
-        places.append((round_, offset))
-        size = max(size, offset + n)
-        offset = -(-(offset + n) // align) * align  # rounded up
-    return places, size
-
-
-def init_shared_sync(url: str, device, model, staging_mib: int = 0) -> dict:
-    """The shared transport: this trainer owns one flat staging buffer in the server's dtype, and the server's worker
-    maps it once (the server runs on this machine: one GPU is enough, since no NCCL group joins two ranks on it). On
-    CUDA the buffer is GPU memory shared by CUDA IPC (the fields of torch's reduce_tensor, as JSON, and the GPU's
-    UUID); on CPU a file in /dev/shm. A second file there holds two control words (int64): tensors written (ours) and
-    tensors copied (the server's), so that the copies on both sides overlap and a window can be reused in rounds.
-    Both files are unlinked once mapped: a killed trainer leaves nothing behind in /dev/shm."""
-    import torch
-
-    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
-    if info["device"] != device.type:  # CUDA IPC and /dev/shm each need both ends on one kind of device
-        raise RuntimeError(f"the server at {url} runs on {info['device']} and this trainer on {device.type}")
-    if device.type == "cuda":  # before anything is made
-        alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-        if (problem := staging_alloc_problem(alloc_conf, torch.cuda.memory.get_allocator_backend())) is not None:
-            raise RuntimeError(problem)
-    dtype = getattr(torch, info["dtype"])
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numels = [p.numel() for _, p in base_named(model.named_parameters())]  # push_shared's tensors (LoRA: the base's)
-    places, numel = staging_layout(numels, (staging_mib << 20) // itemsize if staging_mib else None)
-    stem = f"/dev/shm/cleanrlvr-{os.getpid()}-{os.urandom(4).hex()}"
-    control = torch.from_file(stem + ".control", shared=True, size=2, dtype=torch.int64)  # (creates the file)
-    control.zero_()
-    spec = {"device": device.type, "dtype": info["dtype"], "numel": numel, "control": stem + ".control"}
-    files = [stem + ".control"]
-    if device.type == "cuda":
-        buffer = torch.empty(numel, dtype=dtype, device=device)  # [numel]
-        spec |= cuda_ipc_fields(buffer)
-    else:
-        buffer = torch.from_file(stem + ".buffer", shared=True, size=numel, dtype=dtype)  # [numel]
-        spec["path"] = stem + ".buffer"
-        files.append(stem + ".buffer")
-    wait_s = 2 * info["sync_timeout_s"] + 180  # the server's 2nd line: after one collective queued before ours
-    try:
-        answer = lines(
-            post(url, "/init_communicator", {"transport": "shared", "shared": spec}, stream=True, timeout=wait_s)
-        )
-        next(answer)  # "mapping"
-        done = next(answer)
-    finally:
-        for f in files:  # mapped (or refused): the mappings keep the memory, the names go
-            os.unlink(f)
-    if done["status"] != "ok":
-        raise RuntimeError(f"{url}/init_communicator (shared transport) failed: {done}")
-    return {
-        "url": url,
-        "transport": "shared",
-        "buffer": buffer,
-        "control": control,
-        "places": places,
-        "dtype": info["dtype"],
-        "device": device,
-        "timeout_s": wait_s,
-        "round_timeout_s": info["sync_timeout_s"],
-    }
-
-
-def cuda_ipc_fields(buffer) -> dict:
-    """The shared transport's CUDA fields for the staging buffer `buffer`: the arguments of torch's reduce_tensor
-    (torch/multiprocessing/reductions.py) that rebuild_cuda_tensor takes, as plain JSON (bytes as base64), and the
-    GPU's UUID. The tensor and storage classes, shape, stride and device index are the server's to fix."""
-    import base64
-
-    import torch
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event, sync) = (
-        reduce_tensor(buffer)[1]
-    )
-    return {
-        "gpu_uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
-        "handle": base64.b64encode(handle).decode(),
-        "storage_size_bytes": size_bytes,
-        "storage_offset_bytes": offset_bytes,
-        "ref_counter_handle": base64.b64encode(rc_handle).decode(),
-        "ref_counter_offset": rc_offset,
-        "event_handle": base64.b64encode(event or b"").decode(),
-        "event_sync_required": bool(sync),
-        "tensor_offset": tensor_offset,
-    }
-
-
-def staging_alloc_problem(alloc_conf: str, backend: str) -> Optional[str]:
-    """Why torch's CUDA allocator cannot give the shared transport its staging buffer, or None. `alloc_conf`: the value
-    of PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF); `backend`: torch.cuda.memory.get_allocator_backend(). The
-    buffer must be plain cudaMalloc memory, the kind reduce_tensor exports with cudaIpcGetMemHandle: expandable
-    segments export through file descriptors or fabric handles instead, and the cudaMallocAsync backend refuses to
-    export at all (its shareIpcHandle raises)."""
-    settings = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
-    if settings.get("expandable_segments", "").lower() == "true":
-        why = "expandable_segments:True"
-    elif backend == "cudaMallocAsync":
-        why = "the cudaMallocAsync backend"
-    else:
-        return None
-    return (
-        f"the shared transport hands its staging buffer to the server through CUDA IPC, which torch's allocator with "
-        f"{why} (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF) does not give it: run this trainer without it, or use "
-        "--sync-transport checkpoint"
-    )
-
-
-def push_shared(sync: dict, model, version: int) -> dict:
-    """Post /update_param_batch with each parameter's slice of the staging buffer (offset, round), then write every
-    parameter into its slice (cast to the server's dtype: the one copy on this side), counting each one written:
-    the server copies each into the engine's tensor as soon as it is counted, while we write the next (the two copies
-    overlap). The first tensor of round r waits until the server counted round r - 1 copied out of the window.
-    Returns the server's report."""
-    import torch
-
-    named = base_named(model.named_parameters())  # LoRA: the merged base weights, under their own names
-    buffer = sync["buffer"]  # [numel], the server's dtype
-    control = sync["control"]  # [2] int64: tensors written (ours), tensors copied (the server's)
-    places = sync["places"]
-    params = [
-        {"name": n, "dtype": sync["dtype"], "shape": list(p.shape), "offset": offset, "round": round_}
-        for (n, p), (round_, offset) in zip(named, places, strict=True)
-    ]
-    control.zero_()  # (the last push's server copied every tensor: the counts start again)
-    body = {"params": params, "version": version}
-    answer = lines(post(sync["url"], "/update_param_batch", body, stream=True, timeout=sync["timeout_s"]))
-    next(answer)  # "receiving": the server checked the metadata and copies each tensor once counted
-    for i, ((_, p), (round_, offset)) in enumerate(zip(named, places, strict=True)):
-        if i > 0 and round_ != places[i - 1][0]:  # a new round over the window: the last one must be copied out
-            deadline = time.monotonic() + sync["round_timeout_s"]
-            while control[1].item() < i:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{sync['url']} did not copy round {round_ - 1} in time: {next(answer, {})}")
-                time.sleep(0.0002)
-        buffer[offset : offset + p.numel()].view_as(p).copy_(p)
-        if buffer.is_cuda:
-            torch.cuda.current_stream().synchronize()  # in GPU memory before the server's copy reads it
-        control[0] = i + 1
-    done = next(answer)
-    if done["status"] != "ok":
-        raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
-    return done
-
-
 def init_checkpoint_sync(url: str, sync_dir: str) -> dict:
     """The checkpoint transport's end: no group, only the directory the server loads from and the dtype it computes
     in. The path posted is absolute: the server resolves it, not relative to this process's directory."""
@@ -1115,7 +930,7 @@ def save_and_load_weights(sync: dict, model, version: int) -> dict:
 
     t0 = time.perf_counter()
     dtype = getattr(torch, sync["dtype"])
-    tensors = {n: p.to("cpu", dtype).contiguous() for n, p in base_named(model.named_parameters())}  # LoRA: merged
+    tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
     path = os.path.join(sync["dir"], f"weights_v{version}.safetensors")
     save_file(tensors, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -1133,115 +948,13 @@ def verify_weights(sync: dict, model) -> int:
     dtype = getattr(torch, sync["dtype"])
     ours = {
         n: hashlib.sha256(p.detach().to(dtype).cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-        for n, p in base_named(model.state_dict().items())
+        for n, p in model.state_dict().items()
     }  # state_dict: a tied lm_head.weight too, as the server reports it
     theirs = requests.get(sync["url"] + "/weights_checksum", timeout=600, headers=auth_headers()).json()["checksums"]
     differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
     if differ:
         raise RuntimeError(f"weights differ after the push: {differ[:5]}")
     return len(theirs)
-
-
-# LoRA (--lora-rank): low-rank adapters (peft) on a frozen base, and the two ways the server gets the policy they make
-def add_lora(model, args: Args, saved: Optional[str] = None):
-    """Adapters on --lora-target-modules of `model` (a Hugging Face model, changed in place: its layers now hold the
-    adapters and it computes the policy): fresh ones (B = 0, so the policy starts as the base) or those saved in the
-    checkpoint `saved`. Only the adapters require a gradient. Returns the peft model, which saves and merges them. No
-    dropout: the trainer's logprobs must be those of the policy vLLM samples from."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    if saved is not None:
-        return PeftModel.from_pretrained(model, saved, is_trainable=True)
-    config = LoraConfig(
-        r=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        target_modules=list(args.lora_target_modules),
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
-
-
-def base_named(items) -> list:
-    """(name, tensor) pairs under the base model's Hugging Face names, as the server knows them: the base weight of a
-    layer with an adapter (`q_proj.base_layer.weight`) is `q_proj.weight`, and the adapters' own matrices stay here.
-    Without adapters every pair passes unchanged."""
-    return [(name.replace(".base_layer.", "."), t.detach()) for name, t in items if ".lora_" not in name]
-
-
-@contextlib.contextmanager
-def lora_merged(peft_model):
-    """Within: every adapter merged into its base weight, W + (alpha / r) B A, in place (no copy of the model), so
-    the base weights are the policy. After: unmerged, W - (alpha / r) B A. Does nothing without adapters."""
-    import torch
-
-    if peft_model is None:
-        yield
-        return
-    with torch.no_grad():
-        peft_model.merge_adapter()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            peft_model.unmerge_adapter()
-
-
-def push_adapter(url: str, peft_model, version: int, adapter_dir: str) -> float:
-    """--lora-sync adapter: write the adapter (peft's safetensors) to `adapter_dir`/v`version` and have the server
-    load it in place of the previous one under the name `policy` (POST /update_adapter). A new directory per version:
-    vLLM's prefix cache keys a LoRA request's blocks by its name and path, so blocks computed with an older adapter
-    are never reused. The previous version's files go once the server holds the new one. Returns the seconds taken."""
-    import shutil
-
-    t0 = time.time()
-    path = os.path.abspath(os.path.join(adapter_dir, f"v{version}"))
-    peft_model.save_pretrained(path)
-    done = post(url, "/update_adapter", {"name": "policy", "path": path, "version": version}).json()
-    if done["status"] != "ok":
-        raise RuntimeError(f"{url} could not load the adapter {path}: {done}")
-    for old in os.listdir(adapter_dir):
-        if old != f"v{version}":
-            shutil.rmtree(os.path.join(adapter_dir, old), ignore_errors=True)
-    return time.time() - t0
-
-
-def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args, pad_id: int) -> float:
-    """--verify-sync with --lora-sync adapter. vLLM holds an adapter in its own layout (stacked, padded to its
-    --max-lora-rank), so no checksum compares it with the trainer's; its logprobs do. Sample 4 short completions of
-    `prompt` with the adapter just loaded and return the mean |trainer logprob - server logprob| per token, the figure
-    --max-logprob-mismatch bounds. An answer sampled by another adapter version than `version` is an error."""
-    import torch
-
-    body = {
-        "prompts": [prompt],
-        "n": 4,
-        "temperature": args.train_temperature,
-        "max_tokens": min(16, args.max_completion_tokens),
-        "lora": "policy",
-    }
-    completions = post(url, "/generate", body).json()["results"][0]["completions"]  # [4]
-    if any(c["versions"] != [version] for c in completions):
-        raise RuntimeError(
-            f"--verify-sync: {url} sampled adapter versions {[c['versions'] for c in completions]}, "
-            f"not the version {version} just pushed"
-        )
-    device = next(model.parameters()).device
-    seqs = [prompt + c["token_ids"] for c in completions]
-    ids, attn, mask, at = micro_batch(seqs, [len(prompt)] * len(seqs), list(range(len(seqs))), pad_id, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # as training
-    with torch.no_grad(), autocast:
-        ours, _ = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N]
-    theirs = torch.tensor([lp for c in completions for lp in c["logprobs"]], device=device)  # [N]
-    return (ours.float() - theirs).abs().mean().item() if theirs.numel() else float("nan")
-
-
-def save_merged(peft_model, model, path: str) -> None:
-    """The policy as a plain Hugging Face model in `path` (base names, adapters merged in), for vLLM and
-    transformers."""
-    with lora_merged(peft_model):
-        model.save_pretrained(path, state_dict=dict(base_named(model.state_dict().items())))
 
 
 # Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
@@ -1272,15 +985,12 @@ def generate(
     max_tokens: int,
     concurrency: int,
     seeds: list[int],
-    lora: Optional[str] = None,
 ):
-    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. `lora`: the
-    name of an adapter the server loaded (--lora-sync adapter), to sample with. Returns one result per prompt."""
+    """One request per prompt (prompt i seeded with seeds[i]), `concurrency` in flight; vLLM batches them. Returns one
+    result per prompt."""
 
     def one(i):
         body = {"prompts": [prompts[i]], "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seeds[i]}
-        if lora is not None:
-            body["lora"] = lora
         return post(url, "/generate", body).json()["results"][0]
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -1299,38 +1009,10 @@ def physical_gpu(index: int) -> str:
     return ids[index]
 
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes (MaxLoRARanks)
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest --max-lora-rank that vLLM accepts (vllm/config/lora.py: MaxLoRARanks) and that holds adapters of
-    rank `rank`; an error past the largest."""
-    if rank > VLLM_LORA_RANKS[-1]:
-        raise SystemExit(f"--lora-rank {rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}")
-    return min(r for r in VLLM_LORA_RANKS if r >= rank)
-
-
-def vllm_sleep_level(args: Args, colocated: bool) -> int:
-    """--vllm-sleep-level, or its default: sharing the trainer's GPU (`colocated`) 2, which drops vLLM's weights while
-    the trainer updates (the push rewrites them), or 1 with --lora-sync adapter, which keeps them in CPU memory (no
-    push rewrites the base); else 0. Level 2 with --lora-sync adapter is refused: the base would never come back."""
-    adapter_sync = args.lora_rank > 0 and args.lora_sync == "adapter"
-    level = args.vllm_sleep_level
-    if level is None:
-        level = (1 if adapter_sync else 2) if colocated else 0
-    if level == 2 and adapter_sync:
-        raise SystemExit("--lora-sync adapter pushes no base weights: use --vllm-sleep-level 1 (or 0)")
-    return level
-
-
-def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_level: int = 0):
-    """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
-    (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
-    this trainer updates."""
+def start_vllm_server(args: Args, log_path: str):
+    """Launch vllm_sync_server.py next to this file on GPU --vllm-gpu (or the CPU), wait for /health, stop it when this
+    process exits."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
-    colocation = ["--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)] if colocated else []
-    if sleep_level:
-        colocation.append("--enable-sleep-mode")
     cmd = [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
@@ -1340,18 +1022,11 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
         args.vllm_host,
         "--port",
         str(args.vllm_port),
-        *colocation,
         *shlex.split(args.server_args),
     ]
     if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
         os.makedirs(args.sync_dir, exist_ok=True)
         cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
-    if args.lora_rank and args.lora_sync == "adapter":  # the server loads the adapter: vLLM's LoRA, on, for rank R
-        given = shlex.split(args.server_args)
-        if "--enable-lora" not in given:
-            cmd.append("--enable-lora")
-        if not any(flag.startswith("--max-lora-rank") for flag in given):
-            cmd += ["--max-lora-rank", str(vllm_lora_rank(args.lora_rank))]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -1387,67 +1062,6 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
 
-# One GPU for both: vLLM sleeps while this trainer updates, and must find its memory free when it wakes
-WAKE_MARGIN = 256 << 20  # bytes kept free beyond what vLLM takes back (a margin, not a measured figure)
-
-
-def wake_problem(free_bytes: int, asleep_bytes: int) -> Optional[str]:
-    """Why vLLM must not be woken now, or None: it maps again the `asleep_bytes` it released at /sleep, and the GPU has
-    `free_bytes` free (torch.cuda.mem_get_info, after torch's cache was emptied). A wake-up that runs out of memory
-    fails inside vLLM's engine and leaves it dead; refused here, the run stops with the flags that make room."""
-    if free_bytes >= asleep_bytes + WAKE_MARGIN:
-        return None
-    return (
-        f"vLLM takes back {asleep_bytes / 2**30:.2f} GiB when it wakes up and the GPU has {free_bytes / 2**30:.2f} GiB "
-        f"free (with {WAKE_MARGIN >> 20} MiB to spare): waking it would fail inside its engine. Lower this trainer's "
-        "share (--micro-token-budget, --max-seq-len; --lora-rank for a smaller optimizer state; --staging-mib for the "
-        "staging buffer) or vLLM's (--vllm-gpu-memory-utilization)"
-    )
-
-
-def sleep_vllm(url: str, device, level: int) -> int:
-    """POST /sleep; returns the bytes it freed on this GPU (torch.cuda.mem_get_info before and after), which vLLM will
-    take back at /wake_up. Only this trainer allocates meanwhile, and it waits for the answer."""
-    import torch
-
-    free = torch.cuda.mem_get_info(device)[0]
-    post(url, "/sleep", {"level": level})
-    return max(0, torch.cuda.mem_get_info(device)[0] - free)
-
-
-def wake_vllm(url: str, device, asleep_bytes: int, tags: Optional[list[str]] = None) -> int:
-    """POST /wake_up (`tags`: those only; None: all) once the GPU has room for the `asleep_bytes` vLLM has still to take
-    back (all of them, even for a partial wake-up: better to stop before the first than between the two). torch's
-    cache goes first: its blocks are free to torch alone. Returns the bytes still asleep after."""
-    import torch
-
-    torch.cuda.empty_cache()
-    free = torch.cuda.mem_get_info(device)[0]
-    if (problem := wake_problem(free, asleep_bytes)) is not None:
-        raise SystemExit(problem)  # vLLM stays asleep, and is stopped at exit (start_vllm_server)
-    post(url, "/wake_up", {"tags": tags} if tags else {})
-    return max(0, asleep_bytes - (free - torch.cuda.mem_get_info(device)[0]))
-
-
-def init_adamw_state(optimizer) -> None:
-    """AdamW's moments, made now as its first step would make them (zeros) instead of at that step: beside a sleeping
-    vLLM, this trainer's memory must all be there before vLLM's first /sleep, whose freed bytes are what it takes back
-    (wake_vllm). A step on zero gradients makes them: with no weight decay every parameter stays bit for bit, and the
-    step count goes back to 0, so the first real step is the one it would have been. Does nothing to a resumed
-    optimizer (its state is loaded) or one with weight decay."""
-    import torch
-
-    if optimizer.state or any(group["weight_decay"] for group in optimizer.param_groups):
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        state["step"].zero_()
-
-
 # Logging, evaluation and the run's files: its checkpoints, the arguments saved with them, its rollout log
 def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
     """The step's metrics, to each of `loggers`: one printed line, a rich table, W&B (wandb.init ran in main)."""
@@ -1478,7 +1092,7 @@ def prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args, lora: Optional[str] = None) -> dict:
+def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args) -> dict:
     """The server's policy on the test problems: one completion each at --eval-temperature (each problem its own
     seed), graded as in training."""
     import numpy as np
@@ -1491,7 +1105,6 @@ def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args, l
         args.max_completion_tokens,
         args.concurrency,
         [eval_seed(args.seed, i) for i in range(len(prompts))],
-        lora=lora,
     )
     grades = grade_batch(
         [res["completions"][0]["text"] for res in results],
@@ -1526,24 +1139,16 @@ def write_rollouts(path: str, step: int, samples: list, grades: list, advantages
             rollout_log.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(path: str, model, lora, tokenizer, optimizer, counters: dict, run_args: dict) -> None:
+def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_args: dict) -> None:
     """A checkpoint at `path`: the model in Hugging Face format (vLLM and transformers load it), the tokenizer, the
     run's arguments (--resume and eval.py read them) and trainer_state.pt (the optimizer, `counters`, the random
-    generators' states). LoRA: the adapter in peft's format (resume loads it) and, in merged/, the merged policy with
-    its own tokenizer and arguments (eval.py, given the checkpoint, evaluates merged/)."""
+    generators' states)."""
     import random
 
     import numpy as np
     import torch
 
-    if lora is None:
-        model.save_pretrained(path)
-    else:
-        lora.save_pretrained(path)
-        save_merged(lora, model, os.path.join(path, "merged"))
-        tokenizer.save_pretrained(os.path.join(path, "merged"))
-        with open(os.path.join(path, "merged", "args.json"), "w") as f:
-            json.dump(run_args, f, indent=1)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "args.json"), "w") as f:
         json.dump(run_args, f, indent=1)
@@ -1666,12 +1271,8 @@ if __name__ == "__main__":
     run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
-    if args.lora_sync == "adapter" and not args.lora_rank:
-        raise SystemExit("--lora-sync adapter needs --lora-rank")
     if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
         raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-    if args.lora_sync == "adapter" and args.verify_sync and args.max_logprob_mismatch == 0:
-        raise SystemExit("--verify-sync with --lora-sync adapter checks logprobs: it needs --max-logprob-mismatch > 0")
     check_run_files(args, args.rollout_log)
     ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
     if ckpts and ckpts[-1] >= args.train_steps:
@@ -1706,16 +1307,12 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     n_gpu = torch.cuda.device_count()
-    colocated = args.start_server and n_gpu == 1  # one GPU: the server beside this trainer, on the same GPU
-    if colocated and args.sync_transport == "collective":  # NCCL refuses two ranks on one GPU ("Duplicate GPU")
-        print(
-            "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
+    if args.start_server and n_gpu == 1:  # NCCL refuses two ranks on one GPU ("Duplicate GPU"), and both need memory
+        raise SystemExit(
+            "--start-server puts vLLM on one GPU and this trainer on another: one GPU is visible. For one GPU, run "
+            "grpo_gsm8k_lora_one_gpu.py (vLLM asleep while the trainer updates, the weights through its memory)"
         )
-        args.sync_transport = "shared"
-    sleep_level = vllm_sleep_level(args, colocated)
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
-    if sleep_level and device.type != "cuda":
-        raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
         if not torch.cuda.is_bf16_supported(including_emulation=False):  # (emulated bf16 would crawl, if it ran)
@@ -1735,7 +1332,7 @@ if __name__ == "__main__":
     )
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
-        start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
+        start_vllm_server(args, "vllm_server.log")
     loggers = set(args.logger.split(","))
     if "wandb" in loggers:
         import wandb
@@ -1752,22 +1349,13 @@ if __name__ == "__main__":
     skipped = 0  # steps skipped for a non-finite loss or gradient
     data_pos = 0  # training prompts drawn so far (the data order and the sampling seeds follow it)
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
-    if args.lora_rank:  # a frozen base in the dtype weights travel in (half of fp32's memory in bf16), fp32 adapters
-        wire_dtype = getattr(
-            torch, requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
-        )
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=wire_dtype).to(device).train()
-        lora = add_lora(model, args, saved=None if load_from == args.model else load_from)  # a checkpoint's adapter
-    else:
-        lora = None
-        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
     ref_model = None
     if args.beta:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
     if load_from != args.model:
         state_path = os.path.join(load_from, "trainer_state.pt")
@@ -1782,32 +1370,22 @@ if __name__ == "__main__":
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
-    if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
-        init_adamw_state(optimizer)
-    adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
-    if adapter is not None:  # the server runs the base it started with: only the adapter moves
-        push_adapter(url, lora, version, args.lora_adapter_dir)
+    if args.sync_transport == "checkpoint":
+        sync = init_checkpoint_sync(url, args.sync_dir)
+        push = save_and_load_weights
     else:
-        if args.sync_transport == "checkpoint":
-            sync = init_checkpoint_sync(url, args.sync_dir)
-            push = save_and_load_weights
-        elif args.sync_transport == "shared":
-            sync = init_shared_sync(url, device, model, args.staging_mib)
-            push = push_weights  # (which writes into the staging buffer: see push_shared)
-        else:
-            sync = init_weight_sync(url, device, args.sync_host)
-            push = push_weights
-        with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
-            push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+        sync = init_weight_sync(url, device, args.sync_host)
+        push = push_weights
+    push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
     # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
     served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
     trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, trainer_dtype])
-    transport = "adapter" if adapter is not None else args.sync_transport
+    transport = args.sync_transport
     current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
 
     if args.eval_before_start and step == 0:
-        log_metrics(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter), step, loggers)
+        log_metrics(evaluate(url, test_prompts, [row["answer"] for row in test], args), step, loggers)
     total_tokens = 0
     start_time = time.time()
     progress = None
@@ -1839,7 +1417,6 @@ if __name__ == "__main__":
             args.max_completion_tokens,
             args.concurrency,
             seeds,
-            lora=adapter,
         )
         t_generated = time.time()
         samples = [
@@ -1865,11 +1442,7 @@ if __name__ == "__main__":
         # 4) which samples the update sees, and which of their tokens get a gradient
         batch = make_batch(samples, rewards, args)
 
-        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
-        # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
-        pushes = (step + 1) % args.sync_every_steps == 0
-        if sleep_level:
-            asleep_bytes = sleep_vllm(url, device, sleep_level if pushes else 1)
+        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
         check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
         if fresh:
             check = functools.partial(
@@ -1884,31 +1457,15 @@ if __name__ == "__main__":
             print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
         t_updated = time.time()
         step += 1
-        # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
+        # 6) push weights to vLLM: generation goes on from the new policy
         sync_s = 0.0
-        if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
-            optimizer.zero_grad(set_to_none=True)
-            asleep_bytes = wake_vllm(url, device, asleep_bytes, ["weights"])
         if not bad and step % args.sync_every_steps == 0:
             version += 1
-            if adapter is None:
-                with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
-                    sync_s = push(sync, model, version)["seconds"]
-                    if args.verify_sync:
-                        verify_weights(sync, model)
-            else:
-                sync_s = push_adapter(url, lora, version, args.lora_adapter_dir)
-        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
-            with lora_merged(lora):
-                push(sync, model, version)
+            sync_s = push(sync, model, version)["seconds"]
+            if args.verify_sync:
+                verify_weights(sync, model)
         if not bad:  # the weights moved: the server holds them only if this step pushed them
             current = step % args.sync_every_steps == 0
-        if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
-            wake_vllm(url, device, asleep_bytes)
-        if args.verify_sync and adapter is not None and current and not bad:  # no checksums of an adapter: logprobs
-            probe_prompt = prompt_ids(tokenizer, args.system_prompt, rows[0]["question"])
-            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id)
-            check_logprob_mismatch(probe, limit, step, version, "adapter")
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens
@@ -1928,7 +1485,7 @@ if __name__ == "__main__":
         metrics = step_metrics(grades, batch, stats, counts, seconds)
         write_rollouts(args.rollout_log, step, samples, grades, advantages.tolist())
         if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
+            metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args))
         log_metrics(metrics, step, loggers)
         if progress is not None:
             progress.update(
@@ -1939,7 +1496,7 @@ if __name__ == "__main__":
         if step % args.save_every == 0 or step == args.train_steps:
             counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
             prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     if progress is not None:
         progress.stop()

@@ -6,14 +6,15 @@ The CPU tests run everything else; these checks run the scripts' own GPU code (i
                      peak memory, seconds a step, and the logprob gap of bf16 autocast against fp32 on the same tokens
   logprobs_vocab     bench/logprobs.py's comparison at the full 151,936-token vocabulary, on the GPU: token_logprobs
                      (chunked lm_head) against a full log_softmax, values and peak memory of each
-  shared_transport   the shared transport's staging buffer: exported by one process (grpo_gsm8k.cuda_ipc_fields),
-                     checked and mapped by another (vllm_sync_server.check_shared_spec and map_cuda_buffer, imported
-                     without vLLM), bytes compared both ways, the GPU UUID checked, a wrong UUID refused
+  shared_transport   the shared transport's staging buffer: exported by one process
+                     (grpo_gsm8k_lora_one_gpu.cuda_ipc_fields), checked and mapped by another
+                     (vllm_sync_server.check_shared_spec and map_cuda_buffer, imported without vLLM), bytes compared
+                     both ways, the GPU UUID checked, a wrong UUID refused
   fsdp2_nccl         reinforce_math_fsdp2.setup_model (FSDP2, bf16 compute, fp32 reduce) on one rank over NCCL: a
                      step, then the full state dict
-  sleep_memory       grpo_gsm8k's sleep_vllm / wake_vllm against torch.cuda.mem_get_info, with a stand-in server in
-                     another process that frees and takes back GPU memory as vLLM's /sleep and /wake_up do; then a
-                     wake-up the GPU has no room for, refused with the flags to lower
+  sleep_memory       grpo_gsm8k_lora_one_gpu's sleep_vllm / wake_vllm against torch.cuda.mem_get_info, with a
+                     stand-in server in another process that frees and takes back GPU memory as vLLM's /sleep and
+                     /wake_up do; then a wake-up the GPU has no room for, refused with the flags to lower
 Each check runs in a process of its own, within --timeout-s; a failing or hanging one is reported and the rest run.
 One table at the end. Exit status: 0 if every check passed, 1 if one did not, 2 without a CUDA GPU.
   python bench/gpu_check.py                      # all checks
@@ -174,7 +175,7 @@ def check_shared_transport() -> str:
     import torch
 
     on_path()
-    from grpo_gsm8k import cuda_ipc_fields
+    from grpo_gsm8k_lora_one_gpu import cuda_ipc_fields
     from vllm_sync_server import check_shared_spec
 
     device = torch.device("cuda", 0)
@@ -292,7 +293,7 @@ def check_sleep_memory() -> str:
     import torch
 
     on_path()
-    from grpo_gsm8k import WAKE_MARGIN, sleep_vllm, wake_vllm
+    from grpo_gsm8k_lora_one_gpu import WAKE_MARGIN, sleep_vllm, wake_vllm
 
     device = torch.device("cuda", 0)
     sizes = {"weights": 1 * GIB, "kv_cache": 2 * GIB}

@@ -17,8 +17,20 @@ import torch
 
 from conftest import ROOT, import_script
 
-SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pipeline_learner.py", "eval.py"]
-STREAMING = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"]  # the scripts that push weights
+SCRIPTS = [
+    "grpo_gsm8k.py",
+    "grpo_gsm8k_lora_one_gpu.py",
+    "reinforce_math_fsdp2.py",
+    "pipeline_actor.py",
+    "pipeline_learner.py",
+    "eval.py",
+]
+STREAMING = [
+    "grpo_gsm8k.py",
+    "grpo_gsm8k_lora_one_gpu.py",
+    "reinforce_math_fsdp2.py",
+    "pipeline_learner.py",
+]  # the scripts that push weights
 VERSION_READER = "pipeline_actor.py"  # the script whose server_version GETs /runtime_version
 
 

@@ -1,20 +1,31 @@
 """Copies stay in step by test, not by hope. Each script is read and copied alone, so the functions several scripts
 need are written into each of them (CleanRL's rule). This test holds every top-level function and class that two or
 more scripts define to one text: a fix made in one copy and not in the others fails here. The copies that differ on
-purpose are listed with the reason, and where some of their copies still agree, which ones."""
+purpose are listed with the reason, and where some of their copies still agree, which ones. A variant file (a base
+plus one setting's machinery) shares every function with its base word for word but those listed, and its diff from
+the base stays within a budget."""
 
 import ast
+import difflib
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
 
-SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_actor.py", "pipeline_learner.py", "eval.py"]
+SCRIPTS = [
+    "grpo_gsm8k.py",
+    "grpo_gsm8k_lora_one_gpu.py",
+    "reinforce_math_fsdp2.py",
+    "pipeline_actor.py",
+    "pipeline_learner.py",
+    "eval.py",
+]
 
-GSM8K = ("grpo_gsm8k.py", "pipeline_actor.py")  # the two that grade GSM8K the same way
-TRAINERS = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py")
-ON_POLICY = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py")  # the trainers that sample their own batches
+GSM8K = ("grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "pipeline_actor.py")  # those that grade GSM8K the same way
+TRAINERS = ("grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "reinforce_math_fsdp2.py", "pipeline_learner.py")
+GRPO = ("grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py")  # a base and its variant: see VARIANTS
+ON_POLICY = (*GRPO, "reinforce_math_fsdp2.py")  # the trainers that sample their own batches
 DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies must still be identical)
     "Args": ("each script's own flags", []),
     "Sample": ("what each script keeps of a completion", []),
@@ -23,21 +34,22 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "grade_batch": ("it calls its own script's grade", [GSM8K]),
     "warm_up_grader": ("it grades its own task's example", [GSM8K]),
     "load_split": ("each task's dataset fields", [GSM8K]),
-    "group_advantages": ("the actor grades one group at a time", [("grpo_gsm8k.py", "reinforce_math_fsdp2.py")]),
-    "init_weight_sync": ("the pipeline learner joins several servers", [("grpo_gsm8k.py", "reinforce_math_fsdp2.py")]),
-    "sampler_logprobs": ("the pipeline reads records, not samples", [("grpo_gsm8k.py", "reinforce_math_fsdp2.py")]),
-    "push_weights": ("one model, a gathered FSDP2 model, or several servers", []),
+    "group_advantages": ("the actor grades one group at a time", [ON_POLICY]),
+    "init_weight_sync": ("the pipeline learner joins several servers", [ON_POLICY]),
+    "sampler_logprobs": ("the pipeline reads records, not samples", [ON_POLICY]),
+    "push_weights": ("one model (LoRA: its merged base), a gathered FSDP2 model, or several servers", []),
     "policy_loss": ("GRPO's clipped loss, or the pipeline's off-policy corrections", []),
-    "verify_weights": ("one server, or several", []),
+    "verify_weights": ("one server (LoRA: the merged base's names), or several", []),
     "evaluate": ("one process, or each rank its share with the counts summed over ranks", []),
     "write_rollouts": ("each task's fields, and the rank that sampled them", []),
     "save_checkpoint": ("one model (and its LoRA adapter), or the ranks' shards of an FSDP2 model", []),
-    "start_vllm_server": ("a trainer's server sleeps and syncs; eval's only generates", []),
+    "save_and_load_weights": ("LoRA: the merged base's names", []),
     "Batch": ("the pipeline's records carry their group's verdict, and no per-sample token count", [ON_POLICY]),
     "make_batch": ("samples of whole groups, or the pipeline's records", [ON_POLICY]),
     "log_metrics": ("the pipeline's text metrics (lag_hist) are printed, not sent to W&B", [ON_POLICY]),
-    "update_policy": ("GRPO's loss, REINFORCE's over FSDP2's ranks, or the pipeline's off-policy one", []),
-    "step_metrics": ("one process's, or summed over the ranks", []),
+    "update_policy": ("GRPO's loss, REINFORCE's over FSDP2's ranks, or the pipeline's off-policy one", [GRPO]),
+    "step_metrics": ("one process's, or summed over the ranks", [GRPO]),
+    "start_vllm_server": ("a server on its own GPU, one beside the trainer (sleep, LoRA), or eval's", []),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
         [TRAINERS],
@@ -74,3 +86,61 @@ def test_copies_that_differ_on_purpose(name):
     for group in groups:
         texts = {found[name][script] for script in group}
         assert len(texts) == 1, f"{name} must be identical in {group}"
+
+
+# A variant (CleanRL's ppo.py -> ppo_atari.py) is its base plus the machinery of one setting. Every function and class
+# the two define is identical but those listed here, each with what the variant adds to it; and the variant's whole
+# difference from its base stays within a stated number of changed lines, so that it cannot drift into a fork.
+VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `diff base variant` may show)
+    "grpo_gsm8k_lora_one_gpu.py": (
+        "grpo_gsm8k.py",
+        {
+            "Args": "the flags of LoRA, of the shared transport and of sleep mode",
+            "push_weights": "the shared transport's push; LoRA: the merged base under its own names",
+            "save_and_load_weights": "LoRA: the merged base under its own names",
+            "verify_weights": "LoRA: the merged base under its own names",
+            "generate": "the adapter to sample with (--lora-sync adapter)",
+            "evaluate": "the adapter to sample with (--lora-sync adapter)",
+            "save_checkpoint": "LoRA: the adapter, and the merged policy for eval.py",
+            "start_vllm_server": "one GPU: vLLM's share of it and sleep mode; LoRA: vLLM's LoRA for adapters",
+        },
+        600,  # the shared transport, sleep mode and LoRA, with the flags and branches they add (573 lines), and room
+    ),
+}
+
+
+def definitions(script: str) -> dict[str, str]:
+    """{name: source} of every top-level function and class of `script`."""
+    src = Path(ROOT, script).read_text()
+    return {
+        node.name: ast.get_source_segment(src, node)
+        for node in ast.parse(src).body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_variant_shares_its_bases_functions_word_for_word(variant):
+    base, differ, _ = VARIANTS[variant]
+    ours, theirs = definitions(variant), definitions(base)
+    shared = ours.keys() & theirs.keys()
+    assert {"policy_loss", "update_policy", "grade", "init_weight_sync"} <= shared  # the scan works
+    assert set(differ) <= shared, f"listed as differing but not shared: {set(differ) - shared}"
+    for name in sorted(shared - set(differ)):
+        assert ours[name] == theirs[name], (
+            f"{name} differs between {base} and {variant}: make them identical, or list it"
+        )
+    for name in differ:
+        assert ours[name] != theirs[name], f"{name} is listed as differing but is identical: drop it from the list"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_variants_diff_from_its_base_stays_within_its_budget(variant):
+    base, _, budget = VARIANTS[variant]
+    a = Path(ROOT, base).read_text().splitlines()
+    b = Path(ROOT, variant).read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(a, b, lineterm="", n=0) if line[:1] in "+-"]
+    changed = [line for line in changed if not line.startswith(("+++", "---"))]
+    print(f"diff {base} {variant}: {len(changed)} lines changed (budget {budget})")
+    assert changed, "a variant identical to its base"
+    assert len(changed) <= budget, f"{variant} differs from {base} by {len(changed)} lines, over its budget {budget}"

@@ -20,6 +20,7 @@ from tiny_model import build_tiny_model
 
 sys.path.insert(0, ROOT)
 import grpo_gsm8k  # noqa: E402 (the repository root first)
+import grpo_gsm8k_lora_one_gpu as one_gpu  # noqa: E402 (the one-GPU variant: sleep mode, the shared transport)
 import vllm_sync_server  # noqa: E402
 
 
@@ -101,10 +102,10 @@ def test_vllm_resumes_a_sleeping_scheduler_only_at_the_full_wake_up_and_our_resu
 
 def test_wake_problem_names_the_flags_and_counts_the_margin():
     gib = 1 << 30
-    margin = grpo_gsm8k.WAKE_MARGIN
-    assert grpo_gsm8k.wake_problem(free_bytes=10 * gib, asleep_bytes=4 * gib) is None
-    assert grpo_gsm8k.wake_problem(free_bytes=4 * gib + margin, asleep_bytes=4 * gib) is None
-    problem = grpo_gsm8k.wake_problem(free_bytes=4 * gib + margin - 1, asleep_bytes=4 * gib)
+    margin = one_gpu.WAKE_MARGIN
+    assert one_gpu.wake_problem(free_bytes=10 * gib, asleep_bytes=4 * gib) is None
+    assert one_gpu.wake_problem(free_bytes=4 * gib + margin, asleep_bytes=4 * gib) is None
+    problem = one_gpu.wake_problem(free_bytes=4 * gib + margin - 1, asleep_bytes=4 * gib)
     assert problem is not None and "4.00 GiB" in problem
     for flag in ("--micro-token-budget", "--vllm-gpu-memory-utilization", "--staging-mib", "--lora-rank"):
         assert flag in problem
@@ -122,7 +123,7 @@ def test_adamw_state_made_early_changes_nothing():
     early, early_opt = model_and_optimizer()
     late, late_opt = model_and_optimizer()
     before = [p.detach().clone() for p in early.parameters()]
-    grpo_gsm8k.init_adamw_state(early_opt)
+    one_gpu.init_adamw_state(early_opt)
     assert len(early_opt.state) == len(before)  # the moments exist now
     assert all(torch.equal(a, b) for a, b in zip(early.parameters(), before, strict=True))
     assert all(s["step"].item() == 0 for s in early_opt.state.values())
@@ -135,10 +136,10 @@ def test_adamw_state_made_early_changes_nothing():
             opt.step()
     assert all(torch.equal(a, b) for a, b in zip(early.parameters(), late.parameters(), strict=True))
     # a resumed optimizer (state loaded) and weight decay are left alone
-    grpo_gsm8k.init_adamw_state(early_opt)
+    one_gpu.init_adamw_state(early_opt)
     assert all(s["step"].item() == 3 for s in early_opt.state.values())
     decayed = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), weight_decay=0.1)
-    grpo_gsm8k.init_adamw_state(decayed)
+    one_gpu.init_adamw_state(decayed)
     assert not decayed.state
 
 
@@ -154,7 +155,7 @@ def test_adamw_state_made_early_changes_nothing():
     ],
 )
 def test_staging_alloc_problem(conf, backend, refused):
-    problem = grpo_gsm8k.staging_alloc_problem(conf, backend)
+    problem = one_gpu.staging_alloc_problem(conf, backend)
     if refused is None:
         assert problem is None
     else:
@@ -245,7 +246,7 @@ def test_the_copies_of_connect_nccl_are_identical():
     import ast
 
     copies = set()
-    for script in ("grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"):
+    for script in ("grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"):
         src = Path(ROOT, script).read_text()
         copies |= {
             ast.get_source_segment(src, node)
@@ -261,7 +262,7 @@ def test_sleep_mode_on_cpu_is_refused_at_start(tmp_path):
     r = subprocess.run(
         [
             PY,
-            os.path.join(ROOT, "grpo_gsm8k.py"),
+            os.path.join(ROOT, "grpo_gsm8k_lora_one_gpu.py"),
             "--vllm-sleep-level",
             "1",
             "--dataset",

@@ -41,6 +41,8 @@ from conftest import (
 
 SCRIPT = "grpo_gsm8k.py"
 G = import_script(SCRIPT)
+VARIANT = "grpo_gsm8k_lora_one_gpu.py"  # the same script with the shared transport (and sleep mode, and LoRA)
+V = import_script(VARIANT)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,11 +194,11 @@ def test_pack_micro_batches():
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
-def script_cmd(url, *extra, model, dataset="gsm8k_toy") -> list:
-    """The command line of the script against the server at `url`: one small step's worth of rollouts by default."""
+def script_cmd(url, *extra, model, dataset="gsm8k_toy", script=SCRIPT) -> list:
+    """The command line of `script` against the server at `url`: one small step's worth of rollouts by default."""
     return [
         PY,
-        os.path.join(ROOT, SCRIPT),
+        os.path.join(ROOT, script),
         "--model",
         model,
         "--dataset",
@@ -223,11 +225,11 @@ def script_cmd(url, *extra, model, dataset="gsm8k_toy") -> list:
     ]
 
 
-def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600):
-    """The script in `workdir` against the server at `url` (script_cmd). Returns its stdout and its metrics (one dict
+def run_script(url, workdir, *extra, model, dataset="gsm8k_toy", timeout=600, script=SCRIPT):
+    """`script` in `workdir` against the server at `url` (script_cmd). Returns its stdout and its metrics (one dict
     per step)."""
     os.makedirs(workdir, exist_ok=True)
-    r = run_ok(script_cmd(url, *extra, model=model, dataset=dataset), cwd=workdir, timeout=timeout)
+    r = run_ok(script_cmd(url, *extra, model=model, dataset=dataset, script=script), cwd=workdir, timeout=timeout)
     return r.stdout, metrics_of(r.stdout)
 
 
@@ -249,21 +251,22 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
 
 def test_alignment_over_the_shared_transport(toy):
     """The same agreement when the weights travel through the shared transport (a /dev/shm staging buffer on CPU, the
-    protocol and copy code of CUDA IPC): the script's own init_shared_sync and push, other weights than the server's."""
+    protocol and copy code of CUDA IPC): the variant's own init_shared_sync and push, other weights than the
+    server's."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(toy.model, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.25)  # weights the server cannot hold already
-    sync = G.init_shared_sync(toy.url, torch.device("cpu"), model)
+    sync = V.init_shared_sync(toy.url, torch.device("cpu"), model)
     assert sync["places"][-1][0] == 0  # the whole model in one round
-    done = G.push_weights(sync, model, version=200)
+    done = V.push_weights(sync, model, version=200)
     assert done["status"] == "ok" and done["version"] == 200, done
     seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
     results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=1.0, max_tokens=24, concurrency=4, seeds=seeds)
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
-    assert G.verify_weights(sync, model) > 0
+    assert V.verify_weights(sync, model) > 0
 
 
 def test_staging_layout():
@@ -271,7 +274,7 @@ def test_staging_layout():
     push order; without a window everything is in round 0."""
     numels = [1000, 3, 64, 5000, 7, 7, 4096, 1]
     for window in (None, 5000, 6000, 100):
-        places, size = G.staging_layout(numels, window, align=64)
+        places, size = V.staging_layout(numels, window, align=64)
         assert size >= max(numels) and (window is None or size <= max(window, max(numels)))
         rounds = [r for r, _ in places]
         assert (
@@ -285,12 +288,12 @@ def test_staging_layout():
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
         if window is None:
             assert set(rounds) == {0}
-    places, size = G.staging_layout(numels, 100)
+    places, size = V.staging_layout(numels, 100)
     assert size == 5000 and places[-1][0] == 2  # a window grows to the largest tensor, which is never split
 
 
 def test_shared_transport_end_to_end_with_the_script_starting_its_server(toy_model, tmp_path):
-    """--start-server --sync-transport shared on CPU: the script starts its own server, pushes through a /dev/shm
+    """--start-server --sync-transport shared on CPU: the variant starts its own server, pushes through a /dev/shm
     staging buffer used as a window in rounds (--staging-mib 1 < the toy model's 1.3 MB), verifies every push by
     checksum (--verify-sync), and the trainer's logprobs agree with the sampler's. Nothing is left in /dev/shm."""
     port = free_port()
@@ -309,6 +312,7 @@ def test_shared_transport_end_to_end_with_the_script_starting_its_server(toy_mod
         "2",
         "--verify-sync",
         model=toy_model,
+        script=VARIANT,
     )
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
@@ -591,6 +595,10 @@ def test_help_is_fast():
     t0 = time.time()
     r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
+    assert re.search(r"--sync-transport \{collective,checkpoint\}", r.stdout) and "--lora-rank" not in r.stdout
+    t0 = time.time()
+    r = subprocess.run([PY, os.path.join(ROOT, VARIANT), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
     assert re.search(r"--sync-transport \{[a-z,]*shared", r.stdout) and "--vllm-sleep-level" in r.stdout
 
 
@@ -604,6 +612,7 @@ def changed_behind(toy, workdir, *extra, transport: str = "collective") -> tuple
     root = CHECKPOINT_ROOTS[toy.url]
     other = other_weights(toy.model, os.path.join(root, f"other_{os.path.basename(workdir)}.safetensors"))
     load_behind(toy.url, other, 1000)
+    script = VARIANT if transport == "shared" else SCRIPT
     if transport == "shared":
         extra += ("--sync-transport", "shared")
     if transport == "checkpoint":  # its files inside the server's root
@@ -614,7 +623,18 @@ def changed_behind(toy, workdir, *extra, transport: str = "collective") -> tuple
             os.path.join(root, f"sync_{os.path.basename(workdir)}"),
         )
     fifo = os.path.join(workdir, "rollouts.jsonl")
-    cmd = script_cmd(toy.url, "--train-steps", "3", "--save-every", "1", "--rollout-log", fifo, *extra, model=toy.model)
+    cmd = script_cmd(
+        toy.url,
+        "--train-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--rollout-log",
+        fifo,
+        *extra,
+        model=toy.model,
+        script=script,
+    )
     return run_changed_behind(
         cmd,
         workdir,

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import test_grpo_gsm8k
 import torch
-from test_grpo_gsm8k import run_script, script_cmd
 
 from conftest import (
     CHECKPOINT_ROOTS,
@@ -36,10 +36,20 @@ from conftest import (
     worst_logprob_gap,
 )
 
-SCRIPT = "grpo_gsm8k.py"
+SCRIPT = "grpo_gsm8k_lora_one_gpu.py"  # LoRA lives in the one-GPU variant
 G = import_script(SCRIPT)
 LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 HOT = ("--train-temperature", "0.7")  # the trainer's logprobs must follow the sampling temperature to agree
+
+
+def script_cmd(url, *extra, **kw) -> list:
+    """test_grpo_gsm8k's command line, of SCRIPT."""
+    return test_grpo_gsm8k.script_cmd(url, *extra, script=SCRIPT, **kw)
+
+
+def run_script(url, workdir, *extra, **kw):
+    """test_grpo_gsm8k's run, of SCRIPT."""
+    return test_grpo_gsm8k.run_script(url, workdir, *extra, script=SCRIPT, **kw)
 
 
 @pytest.fixture(scope="module")

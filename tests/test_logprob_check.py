@@ -12,7 +12,7 @@ import pytest
 
 from conftest import PY, ROOT, import_script, stopped_by_the_check
 
-SCRIPTS = ["grpo_gsm8k.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"]
+SCRIPTS = ["grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "reinforce_math_fsdp2.py", "pipeline_learner.py"]
 COPIED = ("MISMATCH_LIMITS", "logprob_mismatch_limit", "check_logprob_mismatch")
 
 

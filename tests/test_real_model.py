@@ -1,11 +1,11 @@
-"""The scripts on a real pretrained model (conftest's `real_model`: SmolLM2-135M-Instruct, dequantised from a Q4_1
-GGUF file to float32, 134.5M parameters, tied embeddings, a 49,152-token vocabulary, ChatML), against one real
+"""The scripts on a real pretrained model (conftest's `real_model`: SmolLM2-135M-Instruct, dequantised from a Q4_1 GGUF
+file to float32, 134.5M parameters, tied embeddings, a 49,152-token vocabulary, ChatML), against one real
 vllm_sync_server of it, LoRA on, for the whole module: the server's sampling logprobs equal a float32 Hugging Face
 forward pass before and after pushes of other weights (collective, shared transport and /load_checkpoint), its weight
-checksums equal the trainer's; grpo_gsm8k.py (full and LoRA, merged or adapter), reinforce_math_fsdp2.py (torchrun, 2
-ranks) and the pipeline (actor, learner, a real redis-server) train on it with every push verified and leave the server
-on their last checkpoint; eval.py scores real GSM8K problems the same through /generate and through the server's
-OpenAI routes. Bounded work: a few prompts, 2 small training steps, 20 problems."""
+checksums equal the trainer's; grpo_gsm8k.py (full), its variant with LoRA (merged or adapter), reinforce_math_fsdp2.py
+(torchrun, 2 ranks) and the pipeline (actor, learner, a real redis-server) train on it with every push verified and
+leave the server on their last checkpoint; eval.py scores real GSM8K problems the same through /generate and through the
+server's OpenAI routes. Bounded work: a few prompts, 2 small training steps, 20 problems."""
 
 import json
 import os
@@ -45,6 +45,8 @@ from test_eval import check_output, run_eval
 from test_real_data import GSM8K
 
 G = import_script("grpo_gsm8k.py")  # the trainer whose logprob code the server is checked against
+VARIANT = "grpo_gsm8k_lora_one_gpu.py"  # its variant with the shared transport and LoRA
+V = import_script(VARIANT)
 MATH500_FIXTURE = os.path.join(FIXTURES, "math500")  # 8 problems in MATH-500's schema: an evaluation set of a run
 QUESTIONS = ["What is 12 + 30?", "Name three colours.", "Repeat exactly: \\boxed{7}"]
 
@@ -98,7 +100,7 @@ def checksums_match(url: str, model) -> bool:
 def test_server_logprobs_equal_hf_fp32_before_and_after_pushes(server, real_model):
     """The server's logprobs of its own samples equal the trainer's float32 forward pass (grpo_gsm8k.py's packed
     micro-batches and chunked lm_head) within 1e-4, for the weights it started with, for other weights pushed over the
-    collective group (the test-side client), for others again pushed over the shared transport (grpo_gsm8k.py's
+    collective group (the test-side client), for others again pushed over the shared transport (the variant's
     staging buffer, a /dev/shm file on CPU), and for its start weights loaded back by /load_checkpoint; after each
     load its checksums equal the trainer's tensors (the tied lm_head among them). The pushed weights are another
     policy: the first model's logprobs are far from the server's then."""
@@ -126,11 +128,11 @@ def test_server_logprobs_equal_hf_fp32_before_and_after_pushes(server, real_mode
     stale = worst_logprob_gap(G, model, prompts[:1], results[:1], 0.7)  # the start weights against the pushed policy
     assert stale > 1e-2, stale
 
-    with torch.no_grad():  # other weights again, through the shared transport (the script's own staging buffer)
+    with torch.no_grad():  # other weights again, through the shared transport (the variant's own staging buffer)
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
-    sync = G.init_shared_sync(server, torch.device("cpu"), other)
-    done = G.push_weights(sync, other, version=2)
+    sync = V.init_shared_sync(server, torch.device("cpu"), other)
+    done = V.push_weights(sync, other, version=2)
     assert done["status"] == "ok" and done["version"] == 2, done
     gaps["shared transport, T=1"] = worst_logprob_gap(G, other, prompts, sampled(server, prompts, 1.0, 3), 1.0)
     assert checksums_match(server, other)
@@ -159,12 +161,12 @@ def test_grpo_trains_two_steps_with_verified_pushes(server, real_model, tmp_path
 METRICS = ("reward", "logprob_mismatch", "frac_reward_zero_std", "step_s")
 
 
-def run_grpo(url: str, model: str, workdir, *extra: str) -> tuple[str, list[dict]]:
-    """grpo_gsm8k.py in `workdir`, 2 steps of 2 prompts x 4 completions at T=0.7 against the server at `url`, every
+def run_grpo(url: str, model: str, workdir, *extra: str, script: str = "grpo_gsm8k.py") -> tuple[str, list[dict]]:
+    """`script` in `workdir`, 2 steps of 2 prompts x 4 completions at T=0.7 against the server at `url`, every
     push verified (--verify-sync), a checkpoint at step 2 (`extra` adds flags). Returns its stdout and metrics."""
     t0 = time.time()
     cmd = [
-        *(PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model),
+        *(PY, os.path.join(ROOT, script), "--model", model),
         *("--dataset", os.path.join(FIXTURES, "gsm8k_real"), "--vllm-port", url.rsplit(":", 1)[1]),
         *("--train-steps", "2", "--rollouts-per-update", "2", "--group-size", "4"),
         *("--train-temperature", "0.7", "--learning-rate", "1e-5", "--system-prompt", "", "--seed", "1"),
@@ -182,19 +184,19 @@ def run_grpo(url: str, model: str, workdir, *extra: str) -> tuple[str, list[dict
     ]
     r = run_ok(cmd, cwd=workdir, timeout=600)
     m = metrics_of(r.stdout)
-    print(f"grpo_gsm8k.py {' '.join(extra)}: {time.time() - t0:.1f}s;", [{k: x[k] for k in METRICS} for x in m])
+    print(f"{script} {' '.join(extra)}: {time.time() - t0:.1f}s;", [{k: x[k] for k in METRICS} for x in m])
     return r.stdout, m
 
 
 def hf_model(path, lora_checkpoint=None):
     """The float32 Hugging Face model of the directory `path`, with the adapters saved in `lora_checkpoint` (a LoRA
-    run's checkpoint, loaded by the script's own add_lora) if given: the policy that checkpoint holds."""
+    run's checkpoint, loaded by the variant's own add_lora) if given: the policy that checkpoint holds."""
     import tyro
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if lora_checkpoint is not None:
-        G.add_lora(model, tyro.cli(G.Args, args=list(LORA)), saved=str(lora_checkpoint))
+        V.add_lora(model, tyro.cli(V.Args, args=list(LORA)), saved=str(lora_checkpoint))
     return model
 
 
@@ -203,12 +205,12 @@ LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 
 @pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
 def test_grpo_lora_trains_two_steps_with_verified_pushes(server, real_model, tmp_path, lora_sync):
-    """grpo_gsm8k.py with rank-8 adapters on the real model, 2 steps, every push verified (merged: checksums of the
-    merged base, pushed over the shared transport; adapter: the logprobs of a probe sampled with the adapter just
-    loaded by a server with LoRA on), each step's sampler agreeing with its trainer. After the last push the server's
-    logprobs of its samples (with the adapter, in adapter mode) equal those of the PEFT model of the last checkpoint
-    within 1e-4, and not those of the base; merged, the server holds exactly that checkpoint's merged model and the
-    staging files are gone."""
+    """grpo_gsm8k_lora_one_gpu.py with rank-8 adapters on the real model, 2 steps, every push verified (merged:
+    checksums of the merged base, pushed over the shared transport; adapter: the logprobs of a probe sampled with the
+    adapter just loaded by a server with LoRA on), each step's sampler agreeing with its trainer. After the last push
+    the server's logprobs of its samples (with the adapter, in adapter mode) equal those of the PEFT model of the last
+    checkpoint within 1e-4, and not those of the base; merged, the server holds exactly that checkpoint's merged model
+    and the staging files are gone."""
     url = server
     if lora_sync == "adapter":  # the adapters apply to the base the trainer has: the model's own weights, loaded back
         load_behind(server, real_model, 0)
@@ -216,7 +218,7 @@ def test_grpo_lora_trains_two_steps_with_verified_pushes(server, real_model, tmp
     before = set(os.listdir("/dev/shm"))
     if lora_sync == "merged":  # over the shared transport: the script's staging buffer, from the command line
         extra += ("--sync-transport", "shared")
-    out, m = run_grpo(url, real_model, tmp_path, *extra)
+    out, m = run_grpo(url, real_model, tmp_path, *extra, script=VARIANT)
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
     assert any(float(x["frac_reward_zero_std"]) < 1 for x in m), m  # some group had a gradient: the adapter moved
