@@ -101,206 +101,6 @@ class ServerState:
     adapters: dict = field(default_factory=dict)  # {name: version} of the LoRA adapters /update_adapter loaded
 
 
-def check_push(params: list[dict], specs: dict[str, dict], packed: dict[str, list[str]]) -> Optional[str]:
-    """Why the push `params` ([{name, dtype, shape}]) must be refused, or None. It runs before any collective: gloo
-    checks neither dtype nor size, so a wrong spec would load garbage, and a refused push leaves both sides out of the
-    broadcast. `specs`: {name: {"dtype", "shape"}} of every weight the engine takes; `packed`: vLLM's fused tensors."""
-    seen = set()
-    for p in params:
-        problem = spec_problem(p, specs.get(p.get("name")), seen)
-        if problem is not None:
-            return f"parameter {p.get('name')!r}: {problem}"
-        seen.add(p.get("name"))
-    # vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj: a fused tensor that got q but not k and v would be
-    # loaded from uninitialised memory, so a part needs all its siblings (those the model has)
-    for p in params:
-        name = p["name"]
-        if name.count(".") < 2:
-            continue
-        prefix, part, kind = name.rsplit(".", 2)
-        for parts in packed.values():
-            if part not in parts:
-                continue
-            siblings = [f"{prefix}.{sibling}.{kind}" for sibling in parts]
-            missing = [s for s in siblings if s in specs and s not in seen]
-            if missing:
-                return f"parameter {name!r} is fused with {missing} in vLLM: send them together"
-    return None
-
-
-def spec_problem(p: dict, spec: Optional[dict], seen: set) -> Optional[str]:
-    """What is wrong with one parameter of a push (`spec`: the model's, None if it has no such weight), or None."""
-    if spec is None:
-        return "the model has no such weight"
-    if p.get("name") in seen:
-        return "listed twice"
-    if list(p.get("shape", [])) != spec["shape"]:
-        return f"shape {p.get('shape')} != the model's {spec['shape']}"
-    if p.get("dtype") != spec["dtype"]:
-        return f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)"
-    return None
-
-
-SHM_DIR = "/dev/shm"  # the shared transport's files on CPU (and its control words on GPU): memory, never a disk
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # the engine dtypes a staging buffer may hold
-SHARED_FIELDS = {  # /init_communicator's `shared`, per device: field -> its JSON type (exactly; true is not an int)
-    "cpu": {"device": str, "dtype": str, "numel": int, "control": str, "path": str},
-    "cuda": {
-        "device": str,
-        "dtype": str,
-        "numel": int,
-        "control": str,
-        "gpu_uuid": str,
-        # the fields of torch's reduce_tensor(buffer) that rebuild_cuda_tensor takes (bytes as base64)
-        "handle": str,
-        "storage_size_bytes": int,
-        "storage_offset_bytes": int,
-        "ref_counter_handle": str,
-        "ref_counter_offset": int,
-        "event_handle": str,
-        "event_sync_required": bool,
-        "tensor_offset": int,
-    },
-}
-
-
-def check_shared_spec(spec, device: str, dtype: str, min_numel: int, gpu_uuid: Optional[str] = None) -> Optional[str]:
-    """Why the staging buffer `spec` (/init_communicator's `shared`) must be refused, or None. It runs before anything
-    is mapped: a wrong size would read past the buffer, and a path must name a file in /dev/shm that the trainer
-    made (torch.from_file would create a missing one). `device`, `dtype`: the server's; `min_numel`: the largest
-    weight, which must fit the buffer; `gpu_uuid`: the worker's GPU (CUDA: the buffer must live on it). Reads the
-    files' metadata; changes nothing."""
-    import base64
-    import binascii
-
-    if not isinstance(spec, dict):
-        return "'shared' must be an object"
-    fields = SHARED_FIELDS.get(spec.get("device"))
-    if fields is None or spec["device"] != device:
-        return f"'device' {spec.get('device')!r}: this server runs on {device!r} (the buffer must be on its device)"
-    unknown = sorted(set(spec) - set(fields))
-    missing = sorted(set(fields) - set(spec))
-    if unknown or missing:
-        return f"unknown field(s) {unknown}, missing field(s) {missing}"
-    wrong = [k for k, kind in fields.items() if type(spec[k]) is not kind]
-    if wrong:
-        return f"field(s) {wrong} must be {[fields[k].__name__ for k in wrong]}"
-    if spec["dtype"] != dtype:
-        return f"'dtype' {spec['dtype']} != the engine's {dtype} (weights travel in it)"
-    if not min_numel <= spec["numel"]:
-        return f"'numel' {spec['numel']}: the buffer must hold the largest weight, {min_numel} elements"
-    nbytes = spec["numel"] * ITEMSIZE[dtype]
-    problem = shm_file_problem(spec["control"], 16, "control")  # two int64: tensors written, tensors copied
-    if problem is None and device == "cpu":
-        problem = shm_file_problem(spec["path"], nbytes, "path")
-    if problem is None and device == "cuda":
-        if spec["gpu_uuid"] != gpu_uuid:
-            return f"'gpu_uuid' {spec['gpu_uuid']}: this server's GPU is {gpu_uuid} (CUDA IPC maps one GPU's memory)"
-        try:
-            for k in ("handle", "ref_counter_handle", "event_handle"):
-                base64.b64decode(spec[k], validate=True)
-        except binascii.Error:
-            return f"{k!r} is not base64"
-        if min(spec[k] for k in fields if fields[k] is int) < 0:
-            return "sizes and offsets must not be negative"
-        if (spec["tensor_offset"] + spec["numel"]) * ITEMSIZE[dtype] > spec["storage_size_bytes"]:
-            return f"'numel' {spec['numel']} at 'tensor_offset' {spec['tensor_offset']} overruns the storage"
-    return problem
-
-
-def shm_file_problem(path: str, nbytes: int, what: str) -> Optional[str]:
-    """Why `path` is not a plain file of exactly `nbytes` bytes directly in /dev/shm (no link, no `..`), or None."""
-    import stat
-
-    if os.path.dirname(path) != SHM_DIR or os.path.normpath(path) != path or os.path.basename(path) in ("", ".", ".."):
-        return f"{what!r} {path!r}: not a file directly in {SHM_DIR}"
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return f"{what!r} {path!r}: no such file"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{what!r} {path!r}: not a regular file"
-    if st.st_size != nbytes:
-        return f"{what!r} {path!r}: {st.st_size} bytes, expected {nbytes}"
-    return None
-
-
-def check_shared_slices(params: list[dict], numel: int) -> Optional[str]:
-    """Why a push over the shared transport must be refused, or None (check_push checked names, dtypes and shapes):
-    each parameter has an element `offset` into the staging buffer of `numel` elements and the `round` that writes it.
-    Rounds count up from 0 in the parameters' order, and the slices of one round fit the buffer and do not overlap:
-    a window reused in rounds is rewritten only after the server copied the round before out of it."""
-    rounds: dict[int, list] = {}  # round -> (offset, end, name) of its slices
-    last = 0
-    for p in params:
-        offset, round_ = p.get("offset"), p.get("round")
-        if type(offset) is not int or type(round_) is not int or offset < 0:
-            return f"parameter {p.get('name')!r}: 'offset' and 'round' must be integers >= 0"
-        if round_ not in (last, last + 1) or (not rounds and round_ != 0):
-            return f"parameter {p.get('name')!r}: round {round_} after round {last} (rounds count up from 0)"
-        last = round_
-        end = offset + math.prod(p["shape"])
-        if end > numel:
-            return f"parameter {p.get('name')!r}: elements {offset}..{end} overrun the buffer's {numel}"
-        rounds.setdefault(round_, []).append((offset, end, p.get("name")))
-    for round_, spans in rounds.items():
-        spans.sort()
-        for (_, end, name), (start, _, other) in zip(spans, spans[1:], strict=False):
-            if start < end:
-                return f"parameters {name!r} and {other!r} overlap in round {round_}"
-    return None
-
-
-def checkpoint_files(path: str, root: Optional[str]) -> list[str]:
-    """The safetensors files of the checkpoint at `path` (a .safetensors file, or a directory of them), each with its
-    symlinks and `..` resolved, all inside `root` (the server's --checkpoint-root). Raises ValueError saying why not:
-    the route's 400, before anything is read. The workers open the resolved paths, never `path` itself."""
-    if root is None:
-        raise ValueError("this server loads no checkpoints: start it with --checkpoint-root DIR")
-    if not os.path.isabs(path):  # relative to what? the trainer's directory is not this server's
-        raise ValueError(f"{path!r} is not an absolute path")
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)  # every symlink and `..` resolved: where the bytes really are
-    if os.path.commonpath([real, real_root]) != real_root:
-        raise ValueError(f"{path!r} resolves to {real!r}, outside this server's --checkpoint-root {real_root!r}")
-    if os.path.isdir(real):
-        names = sorted(n for n in os.listdir(real) if n.endswith(".safetensors"))
-        files = [os.path.realpath(os.path.join(real, n)) for n in names]  # (a symlink inside may point elsewhere)
-        if not files:
-            raise ValueError(f"{path!r} holds no *.safetensors file")
-    elif os.path.isfile(real) and real.endswith(".safetensors"):
-        files = [real]
-    else:
-        raise ValueError(f"{path!r}: no such .safetensors file or directory")
-    for f in files:
-        if os.path.commonpath([f, real_root]) != real_root or not os.path.isfile(f):
-            raise ValueError(f"{f!r} (in {path!r}) is not a file inside this server's --checkpoint-root {real_root!r}")
-    return files
-
-
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # the header's names
-
-
-def checkpoint_params(files: list[str]) -> list[dict]:
-    """[{name, dtype, shape}] of every tensor in the safetensors `files`, read from their headers alone, in check_push's
-    form: a checkpoint is checked as a push of the same tensors would be. Raises ValueError for a file safetensors
-    refuses to open: not safetensors, or truncated (its header promises bytes the file lacks), which would otherwise
-    fail in the workers, after other files loaded."""
-    from safetensors import SafetensorError, safe_open
-
-    params = []
-    for f in files:
-        try:
-            with safe_open(f, framework="pt") as sf:  # reads and validates the header; no tensor is read
-                for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
-                    tensor = sf.get_slice(name)
-                    dtype = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
-                    params.append({"name": name, "dtype": dtype, "shape": tensor.get_shape()})
-        except SafetensorError as e:
-            raise ValueError(f"{f!r} is not a whole safetensors file: {e}") from e
-    return params
-
-
 def wait_or_abort(works: list, deadline: float, pg, what: str) -> None:
     """Wait for collective works until `deadline` (time.monotonic()), then abort the group and raise. gloo's wait()
     blocks and raises at the group's timeout by itself; NCCL's does neither: it only orders the current CUDA stream
@@ -656,25 +456,6 @@ def map_cuda_buffer(spec: dict, device, dtype):
         base64.b64decode(spec["event_handle"]),
         spec["event_sync_required"],
     )
-
-
-def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: int) -> bool:
-    """Whether a push may go straight into `targets`: only if vLLM's loaders copied the checkpoint unchanged (no TP
-    shards, quantization, reordering). Checked on layer 0 and the non-layer tensors; else vLLM's layerwise reload."""
-    import torch
-    from safetensors import safe_open
-
-    if len(targets) != num_checkpoint_tensors:
-        return False
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
-                if ".layers." in name and ".layers.0." not in name:
-                    continue
-                t = targets.get(name)
-                if t is None or not torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu()):
-                    return False
-    return True
 
 
 async def collective(args: Args, state: ServerState, method: str, **kwargs):
@@ -1358,6 +1139,236 @@ def main(args: Args, vllm_argv: list[str]) -> None:
     import uvloop
 
     uvloop.run(serve(args, vllm_args))
+
+
+# ======================================================================================================================
+# CHECKS. What a request must satisfy before anything touches the engine or a collective starts: a push's metadata
+# against the engine's weights, a staging buffer's fields and files, a checkpoint's files. Each returns why the request
+# is refused (naming the parameter or field), or None; the routes above answer 400 with it.
+# ======================================================================================================================
+
+
+def check_push(params: list[dict], specs: dict[str, dict], packed: dict[str, list[str]]) -> Optional[str]:
+    """Why the push `params` ([{name, dtype, shape}]) must be refused, or None. It runs before any collective: gloo
+    checks neither dtype nor size, so a wrong spec would load garbage, and a refused push leaves both sides out of the
+    broadcast. `specs`: {name: {"dtype", "shape"}} of every weight the engine takes; `packed`: vLLM's fused tensors."""
+    seen = set()
+    for p in params:
+        problem = spec_problem(p, specs.get(p.get("name")), seen)
+        if problem is not None:
+            return f"parameter {p.get('name')!r}: {problem}"
+        seen.add(p.get("name"))
+    # vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj: a fused tensor that got q but not k and v would be
+    # loaded from uninitialised memory, so a part needs all its siblings (those the model has)
+    for p in params:
+        name = p["name"]
+        if name.count(".") < 2:
+            continue
+        prefix, part, kind = name.rsplit(".", 2)
+        for parts in packed.values():
+            if part not in parts:
+                continue
+            siblings = [f"{prefix}.{sibling}.{kind}" for sibling in parts]
+            missing = [s for s in siblings if s in specs and s not in seen]
+            if missing:
+                return f"parameter {name!r} is fused with {missing} in vLLM: send them together"
+    return None
+
+
+def spec_problem(p: dict, spec: Optional[dict], seen: set) -> Optional[str]:
+    """What is wrong with one parameter of a push (`spec`: the model's, None if it has no such weight), or None."""
+    if spec is None:
+        return "the model has no such weight"
+    if p.get("name") in seen:
+        return "listed twice"
+    if list(p.get("shape", [])) != spec["shape"]:
+        return f"shape {p.get('shape')} != the model's {spec['shape']}"
+    if p.get("dtype") != spec["dtype"]:
+        return f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)"
+    return None
+
+
+SHM_DIR = "/dev/shm"  # the shared transport's files on CPU (and its control words on GPU): memory, never a disk
+
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # the engine dtypes a staging buffer may hold
+
+
+SHARED_FIELDS = {  # /init_communicator's `shared`, per device: field -> its JSON type (exactly; true is not an int)
+    "cpu": {"device": str, "dtype": str, "numel": int, "control": str, "path": str},
+    "cuda": {
+        "device": str,
+        "dtype": str,
+        "numel": int,
+        "control": str,
+        "gpu_uuid": str,
+        # the fields of torch's reduce_tensor(buffer) that rebuild_cuda_tensor takes (bytes as base64)
+        "handle": str,
+        "storage_size_bytes": int,
+        "storage_offset_bytes": int,
+        "ref_counter_handle": str,
+        "ref_counter_offset": int,
+        "event_handle": str,
+        "event_sync_required": bool,
+        "tensor_offset": int,
+    },
+}
+
+
+def check_shared_spec(spec, device: str, dtype: str, min_numel: int, gpu_uuid: Optional[str] = None) -> Optional[str]:
+    """Why the staging buffer `spec` (/init_communicator's `shared`) must be refused, or None. It runs before anything
+    is mapped: a wrong size would read past the buffer, and a path must name a file in /dev/shm that the trainer
+    made (torch.from_file would create a missing one). `device`, `dtype`: the server's; `min_numel`: the largest
+    weight, which must fit the buffer; `gpu_uuid`: the worker's GPU (CUDA: the buffer must live on it). Reads the
+    files' metadata; changes nothing."""
+    import base64
+    import binascii
+
+    if not isinstance(spec, dict):
+        return "'shared' must be an object"
+    fields = SHARED_FIELDS.get(spec.get("device"))
+    if fields is None or spec["device"] != device:
+        return f"'device' {spec.get('device')!r}: this server runs on {device!r} (the buffer must be on its device)"
+    unknown = sorted(set(spec) - set(fields))
+    missing = sorted(set(fields) - set(spec))
+    if unknown or missing:
+        return f"unknown field(s) {unknown}, missing field(s) {missing}"
+    wrong = [k for k, kind in fields.items() if type(spec[k]) is not kind]
+    if wrong:
+        return f"field(s) {wrong} must be {[fields[k].__name__ for k in wrong]}"
+    if spec["dtype"] != dtype:
+        return f"'dtype' {spec['dtype']} != the engine's {dtype} (weights travel in it)"
+    if not min_numel <= spec["numel"]:
+        return f"'numel' {spec['numel']}: the buffer must hold the largest weight, {min_numel} elements"
+    nbytes = spec["numel"] * ITEMSIZE[dtype]
+    problem = shm_file_problem(spec["control"], 16, "control")  # two int64: tensors written, tensors copied
+    if problem is None and device == "cpu":
+        problem = shm_file_problem(spec["path"], nbytes, "path")
+    if problem is None and device == "cuda":
+        if spec["gpu_uuid"] != gpu_uuid:
+            return f"'gpu_uuid' {spec['gpu_uuid']}: this server's GPU is {gpu_uuid} (CUDA IPC maps one GPU's memory)"
+        try:
+            for k in ("handle", "ref_counter_handle", "event_handle"):
+                base64.b64decode(spec[k], validate=True)
+        except binascii.Error:
+            return f"{k!r} is not base64"
+        if min(spec[k] for k in fields if fields[k] is int) < 0:
+            return "sizes and offsets must not be negative"
+        if (spec["tensor_offset"] + spec["numel"]) * ITEMSIZE[dtype] > spec["storage_size_bytes"]:
+            return f"'numel' {spec['numel']} at 'tensor_offset' {spec['tensor_offset']} overruns the storage"
+    return problem
+
+
+def shm_file_problem(path: str, nbytes: int, what: str) -> Optional[str]:
+    """Why `path` is not a plain file of exactly `nbytes` bytes directly in /dev/shm (no link, no `..`), or None."""
+    import stat
+
+    if os.path.dirname(path) != SHM_DIR or os.path.normpath(path) != path or os.path.basename(path) in ("", ".", ".."):
+        return f"{what!r} {path!r}: not a file directly in {SHM_DIR}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{what!r} {path!r}: no such file"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{what!r} {path!r}: not a regular file"
+    if st.st_size != nbytes:
+        return f"{what!r} {path!r}: {st.st_size} bytes, expected {nbytes}"
+    return None
+
+
+def check_shared_slices(params: list[dict], numel: int) -> Optional[str]:
+    """Why a push over the shared transport must be refused, or None (check_push checked names, dtypes and shapes):
+    each parameter has an element `offset` into the staging buffer of `numel` elements and the `round` that writes it.
+    Rounds count up from 0 in the parameters' order, and the slices of one round fit the buffer and do not overlap:
+    a window reused in rounds is rewritten only after the server copied the round before out of it."""
+    rounds: dict[int, list] = {}  # round -> (offset, end, name) of its slices
+    last = 0
+    for p in params:
+        offset, round_ = p.get("offset"), p.get("round")
+        if type(offset) is not int or type(round_) is not int or offset < 0:
+            return f"parameter {p.get('name')!r}: 'offset' and 'round' must be integers >= 0"
+        if round_ not in (last, last + 1) or (not rounds and round_ != 0):
+            return f"parameter {p.get('name')!r}: round {round_} after round {last} (rounds count up from 0)"
+        last = round_
+        end = offset + math.prod(p["shape"])
+        if end > numel:
+            return f"parameter {p.get('name')!r}: elements {offset}..{end} overrun the buffer's {numel}"
+        rounds.setdefault(round_, []).append((offset, end, p.get("name")))
+    for round_, spans in rounds.items():
+        spans.sort()
+        for (_, end, name), (start, _, other) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                return f"parameters {name!r} and {other!r} overlap in round {round_}"
+    return None
+
+
+def checkpoint_files(path: str, root: Optional[str]) -> list[str]:
+    """The safetensors files of the checkpoint at `path` (a .safetensors file, or a directory of them), each with its
+    symlinks and `..` resolved, all inside `root` (the server's --checkpoint-root). Raises ValueError saying why not:
+    the route's 400, before anything is read. The workers open the resolved paths, never `path` itself."""
+    if root is None:
+        raise ValueError("this server loads no checkpoints: start it with --checkpoint-root DIR")
+    if not os.path.isabs(path):  # relative to what? the trainer's directory is not this server's
+        raise ValueError(f"{path!r} is not an absolute path")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)  # every symlink and `..` resolved: where the bytes really are
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ValueError(f"{path!r} resolves to {real!r}, outside this server's --checkpoint-root {real_root!r}")
+    if os.path.isdir(real):
+        names = sorted(n for n in os.listdir(real) if n.endswith(".safetensors"))
+        files = [os.path.realpath(os.path.join(real, n)) for n in names]  # (a symlink inside may point elsewhere)
+        if not files:
+            raise ValueError(f"{path!r} holds no *.safetensors file")
+    elif os.path.isfile(real) and real.endswith(".safetensors"):
+        files = [real]
+    else:
+        raise ValueError(f"{path!r}: no such .safetensors file or directory")
+    for f in files:
+        if os.path.commonpath([f, real_root]) != real_root or not os.path.isfile(f):
+            raise ValueError(f"{f!r} (in {path!r}) is not a file inside this server's --checkpoint-root {real_root!r}")
+    return files
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # the header's names
+
+
+def checkpoint_params(files: list[str]) -> list[dict]:
+    """[{name, dtype, shape}] of every tensor in the safetensors `files`, read from their headers alone, in check_push's
+    form: a checkpoint is checked as a push of the same tensors would be. Raises ValueError for a file safetensors
+    refuses to open: not safetensors, or truncated (its header promises bytes the file lacks), which would otherwise
+    fail in the workers, after other files loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    params = []
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as sf:  # reads and validates the header; no tensor is read
+                for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                    tensor = sf.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
+                    params.append({"name": name, "dtype": dtype, "shape": tensor.get_shape()})
+        except SafetensorError as e:
+            raise ValueError(f"{f!r} is not a whole safetensors file: {e}") from e
+    return params
+
+
+def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: int) -> bool:
+    """Whether a push may go straight into `targets`: only if vLLM's loaders copied the checkpoint unchanged (no TP
+    shards, quantization, reordering). Checked on layer 0 and the non-layer tensors; else vLLM's layerwise reload."""
+    import torch
+    from safetensors import safe_open
+
+    if len(targets) != num_checkpoint_tensors:
+        return False
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                if ".layers." in name and ".layers.0." not in name:
+                    continue
+                t = targets.get(name)
+                if t is None or not torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu()):
+                    return False
+    return True
 
 
 # ======================================================================================================================
