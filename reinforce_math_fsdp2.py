@@ -338,11 +338,6 @@ def tokens_fed(batch: Batch) -> int:
     return sum(batch.n_comp[i] for i in batch.fed)
 
 
-def tokens_trained(batch: Batch) -> int:
-    """Completion tokens with a gradient, at least 1 (a divisor)."""
-    return max(1, sum(batch.trained[i] for i in batch.fed))
-
-
 def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, fresh: bool, check):
     """One optimizer step over this rank's micro-batches, every rank together. Every rank must run the same number of
     forward/backward passes (each one all-gathers parameters), so ranks with fewer micro-batches run empty ones that
