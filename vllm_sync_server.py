@@ -411,53 +411,6 @@ class WeightSyncWorker:
         return sums
 
 
-def map_shm_file(path: str, numel: int, dtype):
-    """A tensor of `numel` elements backed by the file `path` in /dev/shm, shared with the process that made it. The
-    file is opened first without O_CREAT or links (torch.from_file would create a missing file) and its size checked;
-    torch maps it through /proc/self/fd, so a file swapped in after the route's check is never the one mapped."""
-    import torch
-
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {nbytes}")
-        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)  # MAP_SHARED: no copy
-    finally:
-        os.close(fd)  # (the mapping keeps the memory; the trainer unlinks the file once it is mapped)
-
-
-def map_cuda_buffer(spec: dict, device, dtype):
-    """The trainer's staging buffer on this GPU, through CUDA IPC: torch's rebuild_cuda_tensor on the checked fields
-    of the trainer's reduce_tensor(buffer) (torch/multiprocessing/reductions.py), never unpickled. The tensor class,
-    storage class, shape and stride are fixed here: a flat buffer of spec["numel"] elements."""
-    import base64
-
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    here = str(torch.cuda.get_device_properties(device.index).uuid)
-    if spec["gpu_uuid"] != here:  # (checked by the route too) an IPC handle opens only on the GPU that made it
-        raise ValueError(f"the trainer's buffer is on GPU {spec['gpu_uuid']}, this worker's GPU is {here}")
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        (spec["numel"],),
-        (1,),
-        spec["tensor_offset"],
-        torch.storage.TypedStorage,
-        dtype,
-        device.index,  # this worker's index of that GPU (vLLM's ipc_engine overwrites the sender's index too)
-        base64.b64decode(spec["handle"]),
-        spec["storage_size_bytes"],
-        spec["storage_offset_bytes"],
-        False,  # requires_grad
-        base64.b64decode(spec["ref_counter_handle"]),
-        spec["ref_counter_offset"],
-        base64.b64decode(spec["event_handle"]),
-        spec["event_sync_required"],
-    )
-
-
 async def collective(args: Args, state: ServerState, method: str, **kwargs):
     """Run a WeightSyncWorker method on every worker, between engine steps; returns worker 0's answer. The RPC's
     timeout is a backstop: the group's own timeout ends a stalled receive first."""
@@ -507,66 +460,6 @@ async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> d
         return {"status": "error", "error": state.last_error}
     finally:
         state.tasks -= 1
-
-
-async def shared_spec_problem(args: Args, state: ServerState, spec) -> Optional[str]:
-    """Why /init_communicator's staging buffer `spec` (transport "shared") must be refused, or None: a 400 before
-    anything is mapped."""
-    if state.workers != 1:  # one GPU, one worker: the buffer lives on the GPU of the one worker that maps it
-        return f"the shared transport needs a server with one worker; this one has {state.workers}"
-    gpu_uuid = None
-    if state.device == "cuda":
-        async with state.lock:  # (a collective RPC: one at a time)
-            gpu_uuid = await collective(args, state, "sync_device_uuid")
-    largest = max(math.prod(weight["shape"]) for weight in state.specs.values())
-    return check_shared_spec(spec, state.device, state.dtype, largest, gpu_uuid)
-
-
-async def map_shared(args: Args, state: ServerState, spec: dict) -> dict:
-    """The second half of /init_communicator with transport "shared": the worker maps the trainer's staging buffer
-    (checked by shared_spec_problem). The trainer may unlink its files once this answered "ok"."""
-    try:
-        async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
-            await collective(args, state, "sync_map_shared", spec=spec, timeout_s=args.sync_timeout_s)
-        state.communicator = {"transport": "shared", **{k: spec[k] for k in ("device", "dtype", "numel")}}
-        return {"status": "ok", **state.communicator}
-    except Exception as e:
-        state.communicator = None
-        state.last_error = f"init_communicator: {e}"
-        return {"status": "error", "error": state.last_error}
-    finally:
-        state.tasks -= 1
-
-
-async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
-    """/sleep: vLLM frees its GPU memory while the trainer trains beside it on the same GPU. Level 1 offloads the
-    weights to CPU memory and drops the KV cache; level 2 drops both (the next push rewrites every weight). New
-    /generate calls get a 409 from now until /wake_up; requests in flight finish first (vLLM's mode "wait")."""
-    from fastapi import HTTPException
-
-    if not state.engine.vllm_config.model_config.enable_sleep_mode:
-        raise HTTPException(400, "sleep mode is off: start the server with --enable-sleep-mode (GPU only)")
-    if level not in (1, 2):
-        raise HTTPException(400, f"'level' {level}: 1 (weights to CPU memory) or 2 (weights dropped)")
-    async with state.lock:  # never during a weight update
-        state.asleep = ["weights", "kv_cache"]  # (before the await: /generate refuses from here on)
-        await state.engine.sleep(level, mode="wait")
-        state.sleep_level = level
-    return {"status": "ok", "level": level, "asleep": state.asleep}
-
-
-async def wake_engine(args: Args, state: ServerState, tags: Optional[list[str]]) -> dict:
-    """/wake_up: vLLM takes its memory back, all of it or only `tags` ("weights" first, push, then "kv_cache": the
-    trainer's push never meets a KV cache on the GPU). /generate answers again once nothing sleeps."""
-    from fastapi import HTTPException
-
-    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
-        raise HTTPException(400, f"'tags' {tags}: a subset of ['weights', 'kv_cache'] (none: both)")
-    async with state.lock:
-        if state.asleep:
-            await state.engine.wake_up(tags)
-        state.asleep = [t for t in state.asleep if tags is not None and t not in tags]
-    return {"status": "ok", "asleep": state.asleep}
 
 
 def asleep_problem(state: ServerState, need: str) -> Optional[str]:
@@ -672,42 +565,6 @@ async def load_checkpoint(args: Args, state: ServerState, path: str, version: Op
     finally:
         state.updating = False
         state.tasks -= 1
-
-
-async def load_adapter(state: ServerState, models, name: str, path: str, version: Optional[int]) -> dict:
-    """/update_adapter: load the LoRA adapter saved in `path` (peft's format) under `name`, replacing the one loaded
-    under that name before, and label it `version` (default: its previous version + 1). vLLM's own loader does it
-    (`models`: vLLM's OpenAIServingModels, whose /v1/load_lora_adapter it serves) with load_inplace: the adapter keeps
-    its LoRA id and the engine reads the new weights before its next step, so /generate with `lora: name` (and vLLM's
-    /v1 routes with model `name`) sample with them from the next request on. vLLM keys a LoRA request's cached prefix
-    blocks by the adapter's name and path: a new `path` per version never meets them, and the prefix cache is reset
-    anyway.
-
-    Once loaded, the request vLLM stored for `name` is stored again with load_inplace off: every later request that
-    names the adapter carries that stored request, and a worker re-reads an adapter from its path at every engine step
-    where a request carries load_inplace (vllm/lora/worker_manager.py, add_adapter). With it on, each step would read
-    the files again, and a request still running when the trainer deletes an older version's directory would crash
-    the engine. The swap follows vLLM's own store with no await in between: no request can pick up the old one."""
-    import msgspec
-    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
-    t0 = time.perf_counter()
-    if state.engine.vllm_config.lora_config is None:
-        return {"status": "error", "error": "LoRA is off: start the server with --enable-lora --max-lora-rank R"}
-    request = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
-    answer = await models.load_lora_adapter(request)
-    if not isinstance(answer, str):  # vLLM's ErrorResponse: no such files, a rank over --max-lora-rank, ...
-        return {"status": "error", "error": answer.error.message}
-    # (no await since vLLM stored it: the next request that names the adapter already gets this one)
-    models.lora_requests[name] = msgspec.structs.replace(models.lora_requests[name], load_inplace=False)
-    state.adapters[name] = version if version is not None else state.adapters.get(name, 0) + 1
-    await state.engine.reset_prefix_cache()  # a path written again (a new run where an old one wrote) has new weights
-    return {
-        "status": "ok",
-        "name": name,
-        "version": state.adapters[name],
-        "seconds": round(time.perf_counter() - t0, 4),
-    }
 
 
 def completion_json(c) -> dict:
@@ -1369,6 +1226,156 @@ def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: in
                 if t is None or not torch.equal(sf.get_tensor(name).to(t.dtype), t.cpu()):
                     return False
     return True
+
+
+# ======================================================================================================================
+# ONE GPU AND LORA. What grpo_gsm8k_lora_one_gpu.py needs beyond the plain server: the shared transport (the trainer's
+# staging buffer, mapped on the same machine, in place of a group), sleep mode (vLLM frees its GPU memory while the
+# trainer updates) and LoRA adapters loaded in place. A reader of the plain setting can skip this part.
+# ======================================================================================================================
+
+
+def map_shm_file(path: str, numel: int, dtype):
+    """A tensor of `numel` elements backed by the file `path` in /dev/shm, shared with the process that made it. The
+    file is opened first without O_CREAT or links (torch.from_file would create a missing file) and its size checked;
+    torch maps it through /proc/self/fd, so a file swapped in after the route's check is never the one mapped."""
+    import torch
+
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)  # MAP_SHARED: no copy
+    finally:
+        os.close(fd)  # (the mapping keeps the memory; the trainer unlinks the file once it is mapped)
+
+
+def map_cuda_buffer(spec: dict, device, dtype):
+    """The trainer's staging buffer on this GPU, through CUDA IPC: torch's rebuild_cuda_tensor on the checked fields
+    of the trainer's reduce_tensor(buffer) (torch/multiprocessing/reductions.py), never unpickled. The tensor class,
+    storage class, shape and stride are fixed here: a flat buffer of spec["numel"] elements."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    here = str(torch.cuda.get_device_properties(device.index).uuid)
+    if spec["gpu_uuid"] != here:  # (checked by the route too) an IPC handle opens only on the GPU that made it
+        raise ValueError(f"the trainer's buffer is on GPU {spec['gpu_uuid']}, this worker's GPU is {here}")
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (spec["numel"],),
+        (1,),
+        spec["tensor_offset"],
+        torch.storage.TypedStorage,
+        dtype,
+        device.index,  # this worker's index of that GPU (vLLM's ipc_engine overwrites the sender's index too)
+        base64.b64decode(spec["handle"]),
+        spec["storage_size_bytes"],
+        spec["storage_offset_bytes"],
+        False,  # requires_grad
+        base64.b64decode(spec["ref_counter_handle"]),
+        spec["ref_counter_offset"],
+        base64.b64decode(spec["event_handle"]),
+        spec["event_sync_required"],
+    )
+
+
+async def shared_spec_problem(args: Args, state: ServerState, spec) -> Optional[str]:
+    """Why /init_communicator's staging buffer `spec` (transport "shared") must be refused, or None: a 400 before
+    anything is mapped."""
+    if state.workers != 1:  # one GPU, one worker: the buffer lives on the GPU of the one worker that maps it
+        return f"the shared transport needs a server with one worker; this one has {state.workers}"
+    gpu_uuid = None
+    if state.device == "cuda":
+        async with state.lock:  # (a collective RPC: one at a time)
+            gpu_uuid = await collective(args, state, "sync_device_uuid")
+    largest = max(math.prod(weight["shape"]) for weight in state.specs.values())
+    return check_shared_spec(spec, state.device, state.dtype, largest, gpu_uuid)
+
+
+async def map_shared(args: Args, state: ServerState, spec: dict) -> dict:
+    """The second half of /init_communicator with transport "shared": the worker maps the trainer's staging buffer
+    (checked by shared_spec_problem). The trainer may unlink its files once this answered "ok"."""
+    try:
+        async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
+            await collective(args, state, "sync_map_shared", spec=spec, timeout_s=args.sync_timeout_s)
+        state.communicator = {"transport": "shared", **{k: spec[k] for k in ("device", "dtype", "numel")}}
+        return {"status": "ok", **state.communicator}
+    except Exception as e:
+        state.communicator = None
+        state.last_error = f"init_communicator: {e}"
+        return {"status": "error", "error": state.last_error}
+    finally:
+        state.tasks -= 1
+
+
+async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
+    """/sleep: vLLM frees its GPU memory while the trainer trains beside it on the same GPU. Level 1 offloads the
+    weights to CPU memory and drops the KV cache; level 2 drops both (the next push rewrites every weight). New
+    /generate calls get a 409 from now until /wake_up; requests in flight finish first (vLLM's mode "wait")."""
+    from fastapi import HTTPException
+
+    if not state.engine.vllm_config.model_config.enable_sleep_mode:
+        raise HTTPException(400, "sleep mode is off: start the server with --enable-sleep-mode (GPU only)")
+    if level not in (1, 2):
+        raise HTTPException(400, f"'level' {level}: 1 (weights to CPU memory) or 2 (weights dropped)")
+    async with state.lock:  # never during a weight update
+        state.asleep = ["weights", "kv_cache"]  # (before the await: /generate refuses from here on)
+        await state.engine.sleep(level, mode="wait")
+        state.sleep_level = level
+    return {"status": "ok", "level": level, "asleep": state.asleep}
+
+
+async def wake_engine(args: Args, state: ServerState, tags: Optional[list[str]]) -> dict:
+    """/wake_up: vLLM takes its memory back, all of it or only `tags` ("weights" first, push, then "kv_cache": the
+    trainer's push never meets a KV cache on the GPU). /generate answers again once nothing sleeps."""
+    from fastapi import HTTPException
+
+    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+        raise HTTPException(400, f"'tags' {tags}: a subset of ['weights', 'kv_cache'] (none: both)")
+    async with state.lock:
+        if state.asleep:
+            await state.engine.wake_up(tags)
+        state.asleep = [t for t in state.asleep if tags is not None and t not in tags]
+    return {"status": "ok", "asleep": state.asleep}
+
+
+async def load_adapter(state: ServerState, models, name: str, path: str, version: Optional[int]) -> dict:
+    """/update_adapter: load the LoRA adapter saved in `path` (peft's format) under `name`, replacing the one loaded
+    under that name before, and label it `version` (default: its previous version + 1). vLLM's own loader does it
+    (`models`: vLLM's OpenAIServingModels, whose /v1/load_lora_adapter it serves) with load_inplace: the adapter keeps
+    its LoRA id and the engine reads the new weights before its next step, so /generate with `lora: name` (and vLLM's
+    /v1 routes with model `name`) sample with them from the next request on. vLLM keys a LoRA request's cached prefix
+    blocks by the adapter's name and path: a new `path` per version never meets them, and the prefix cache is reset
+    anyway.
+
+    Once loaded, the request vLLM stored for `name` is stored again with load_inplace off: every later request that
+    names the adapter carries that stored request, and a worker re-reads an adapter from its path at every engine step
+    where a request carries load_inplace (vllm/lora/worker_manager.py, add_adapter). With it on, each step would read
+    the files again, and a request still running when the trainer deletes an older version's directory would crash
+    the engine. The swap follows vLLM's own store with no await in between: no request can pick up the old one."""
+    import msgspec
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    t0 = time.perf_counter()
+    if state.engine.vllm_config.lora_config is None:
+        return {"status": "error", "error": "LoRA is off: start the server with --enable-lora --max-lora-rank R"}
+    request = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
+    answer = await models.load_lora_adapter(request)
+    if not isinstance(answer, str):  # vLLM's ErrorResponse: no such files, a rank over --max-lora-rank, ...
+        return {"status": "error", "error": answer.error.message}
+    # (no await since vLLM stored it: the next request that names the adapter already gets this one)
+    models.lora_requests[name] = msgspec.structs.replace(models.lora_requests[name], load_inplace=False)
+    state.adapters[name] = version if version is not None else state.adapters.get(name, 0) + 1
+    await state.engine.reset_prefix_cache()  # a path written again (a new run where an old one wrote) has new weights
+    return {
+        "status": "ok",
+        "name": name,
+        "version": state.adapters[name],
+        "seconds": round(time.perf_counter() - t0, 4),
+    }
 
 
 # ======================================================================================================================
