@@ -165,28 +165,12 @@ class WeightSyncWorker:
                 pg.abort()
 
     def sync_map_shared(self, spec: dict, timeout_s: float) -> None:
-        """The shared transport: map the trainer's staging buffer and its two control words (tensors written, tensors
-        copied) instead of joining a group. The route checked `spec` (check_shared_spec); nothing in it chooses code:
-        CPU maps two files, CUDA hands checked fields to torch's rebuild_cuda_tensor alone."""
-        import torch
-
-        self.sync_close_communicator()  # a new mapping replaces the old one (e.g. a trainer that restarted)
-        dtype = getattr(torch, spec["dtype"])
-        if self.device.type == "cuda":
-            buffer = map_cuda_buffer(spec, self.device, dtype)
-        else:
-            buffer = map_shm_file(spec["path"], spec["numel"], dtype)
-        control = map_shm_file(spec["control"], 2, torch.int64)  # tensors written (the trainer's), copied (ours)
-        self._sync_shared = {"buffer": buffer, "control": control}
-        self._sync_timeout_s = timeout_s
+        """The shared transport (one GPU): map the trainer's staging buffer (map_staging_buffer, below)."""
+        map_staging_buffer(self, spec, timeout_s)
 
     def sync_device_uuid(self) -> Optional[str]:
-        """This worker's GPU's UUID (None on CPU): a trainer's CUDA buffer is mapped only on the GPU it lives on."""
-        import torch
-
-        if self.device.type != "cuda":
-            return None
-        return str(torch.cuda.get_device_properties(self.device.index).uuid)
+        """This worker's GPU's UUID, None on CPU (device_uuid, below)."""
+        return device_uuid(self)
 
     def sync_prepare(self, files: Optional[list[str]] = None) -> tuple[dict[str, list[int]], dict[str, list[str]]]:
         """Map every Hugging Face tensor name to the engine tensor it lives in: the parameter, or its rows in a tensor
@@ -327,32 +311,8 @@ class WeightSyncWorker:
             yield self.sync_wait(posted.pop(0), deadline)
 
     def sync_receive_shared(self, params: list[dict], direct: bool, deadline: float):
-        """Yield (name, tensor) in order, read from the trainer's staging buffer: each parameter's slice (`offset`,
-        elements) as soon as the trainer counted it written, while it writes the next ones. Direct: copied into the
-        engine's tensor (the one copy on this side); else the slice itself for vLLM's reload, or a copy of it when the
-        buffer is a window reused in rounds (the reload keeps a tensor until its whole layer arrived). At the end of
-        each round this worker counts the round's tensors copied: the trainer may then write the next round over it."""
-        import torch
-
-        buffer = self._sync_shared["buffer"]  # [numel], the wire dtype
-        control = self._sync_shared["control"]  # [2] int64: tensors written (the trainer's), tensors copied (ours)
-        reused = params[-1]["round"] > 0
-        for i, p in enumerate(params):
-            while control[0].item() <= i:  # not written yet
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor {i} ({p['name']}) was not written in time (the trainer died?)")
-                time.sleep(0.0002)
-            src = buffer[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
-            if direct:
-                t = self._sync_targets[p["name"]]
-                t.copy_(src)
-            else:
-                t = src.clone() if reused else src
-            yield p["name"], t
-            if i + 1 == len(params) or params[i + 1]["round"] != p["round"]:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()  # the copies read the window: done before the trainer rewrites it
-                control[1] = i + 1
+        """The shared transport's receive: (name, tensor) read from the staging buffer (receive_shared, below)."""
+        return receive_shared(self, params, direct, deadline)
 
     def sync_wait(self, posted: tuple, deadline: float) -> tuple:
         """Wait for one posted broadcast; returns (name, tensor)."""
@@ -588,6 +548,7 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     add_group_routes(app, args, state)
     add_weight_routes(app, args, state)
     add_engine_routes(app, args, state)
+    add_one_gpu_routes(app, args, state)  # /sleep, /wake_up, /update_adapter: in the ONE GPU AND LORA part below
 
 
 def add_status_routes(app, args: Args, state: ServerState) -> None:
@@ -754,12 +715,7 @@ def add_group_routes(app, args: Args, state: ServerState) -> None:
     @app.post("/init_communicator")
     async def init_communicator(req: InitRequest):
         if req.transport == "shared":  # the trainer's staging buffer, on this machine, instead of a group
-            if (problem := await shared_spec_problem(args, state, req.shared)) is not None:
-                raise HTTPException(400, problem)
-            if state.updating:
-                raise HTTPException(409, "a weight update is running")
-            state.tasks += 1
-            return two_lines({"status": "mapping"}, asyncio.create_task(map_shared(args, state, req.shared)))
+            return await init_shared(args, state, req.shared)
         lo = req.rank_offset
         ranks = list(range(lo, lo + state.workers))  # this server's workers, after the trainer (and other servers)
         if lo < 1 or req.world_size < lo + state.workers:
@@ -785,8 +741,8 @@ def add_group_routes(app, args: Args, state: ServerState) -> None:
 
 
 def add_weight_routes(app, args: Args, state: ServerState) -> None:
-    """The three ways new weights arrive: a push (/update_param_batch), a checkpoint (/load_checkpoint), an adapter
-    (/update_adapter)."""
+    """The two ways new weights arrive: a push (/update_param_batch) and a checkpoint (/load_checkpoint). The third, an
+    adapter (/update_adapter), is in add_one_gpu_routes."""
     from fastapi import HTTPException
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, Field
@@ -833,24 +789,11 @@ def add_weight_routes(app, args: Args, state: ServerState) -> None:
             raise HTTPException(400, str(e)) from e
         return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
 
-    class AdapterRequest(BaseModel):
-        name: str  # what /generate's `lora` (and vLLM's /v1 routes' `model`) call it
-        path: str  # a directory with adapter_config.json and adapter_model.safetensors, readable by this server
-        version: Optional[int] = None  # default: its previous version + 1
-
-    @app.post("/update_adapter")
-    async def update_adapter(req: AdapterRequest):
-        answer = await load_adapter(state, app.state.openai_serving_models, req.name, req.path, req.version)
-        if answer["status"] != "ok":
-            raise HTTPException(400, answer["error"])
-        return answer
-
 
 def add_engine_routes(app, args: Args, state: ServerState) -> None:
-    """The engine's controls: hold generation (/pause, /resume), clear the prefix cache, release and take back memory
-    (/sleep, /wake_up)."""
+    """The engine's controls: hold generation (/pause, /resume), clear the prefix cache. Releasing and taking back its
+    memory (/sleep, /wake_up) is in add_one_gpu_routes."""
     from fastapi import HTTPException
-    from pydantic import BaseModel
 
     @app.post("/pause")
     async def pause():
@@ -875,20 +818,6 @@ def add_engine_routes(app, args: Args, state: ServerState) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         return {"status": "ok", "reset": await state.engine.reset_prefix_cache()}
-
-    class SleepRequest(BaseModel):
-        level: int = 1
-
-    @app.post("/sleep")
-    async def sleep(req: SleepRequest):
-        return await sleep_engine(args, state, req.level)
-
-    class WakeRequest(BaseModel):
-        tags: Optional[list[str]] = None
-
-    @app.post("/wake_up")
-    async def wake_up(req: WakeRequest):
-        return await wake_engine(args, state, req.tags)
 
 
 def key_required(app, keys: list[str]):
@@ -1235,6 +1164,61 @@ def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: in
 # ======================================================================================================================
 
 
+def map_staging_buffer(worker, spec: dict, timeout_s: float) -> None:
+    """The shared transport: map the trainer's staging buffer and its two control words (tensors written, tensors
+    copied) instead of joining a group. The route checked `spec` (check_shared_spec); nothing in it chooses code:
+    CPU maps two files, CUDA hands checked fields to torch's rebuild_cuda_tensor alone."""
+    import torch
+
+    worker.sync_close_communicator()  # a new mapping replaces the old one (e.g. a trainer that restarted)
+    dtype = getattr(torch, spec["dtype"])
+    if worker.device.type == "cuda":
+        buffer = map_cuda_buffer(spec, worker.device, dtype)
+    else:
+        buffer = map_shm_file(spec["path"], spec["numel"], dtype)
+    control = map_shm_file(spec["control"], 2, torch.int64)  # tensors written (the trainer's), copied (ours)
+    worker._sync_shared = {"buffer": buffer, "control": control}
+    worker._sync_timeout_s = timeout_s
+
+
+def device_uuid(worker) -> Optional[str]:
+    """This worker's GPU's UUID (None on CPU): a trainer's CUDA buffer is mapped only on the GPU it lives on."""
+    import torch
+
+    if worker.device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(worker.device.index).uuid)
+
+
+def receive_shared(worker, params: list[dict], direct: bool, deadline: float):
+    """Yield (name, tensor) in order, read from the trainer's staging buffer: each parameter's slice (`offset`,
+    elements) as soon as the trainer counted it written, while it writes the next ones. Direct: copied into the
+    engine's tensor (the one copy on this side); else the slice itself for vLLM's reload, or a copy of it when the
+    buffer is a window reused in rounds (the reload keeps a tensor until its whole layer arrived). At the end of
+    each round this worker counts the round's tensors copied: the trainer may then write the next round over it."""
+    import torch
+
+    buffer = worker._sync_shared["buffer"]  # [numel], the wire dtype
+    control = worker._sync_shared["control"]  # [2] int64: tensors written (the trainer's), tensors copied (ours)
+    reused = params[-1]["round"] > 0
+    for i, p in enumerate(params):
+        while control[0].item() <= i:  # not written yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor {i} ({p['name']}) was not written in time (the trainer died?)")
+            time.sleep(0.0002)
+        src = buffer[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
+        if direct:
+            t = worker._sync_targets[p["name"]]
+            t.copy_(src)
+        else:
+            t = src.clone() if reused else src
+        yield p["name"], t
+        if i + 1 == len(params) or params[i + 1]["round"] != p["round"]:
+            if worker.device.type == "cuda":
+                torch.cuda.synchronize()  # the copies read the window: done before the trainer rewrites it
+            control[1] = i + 1
+
+
 def map_shm_file(path: str, numel: int, dtype):
     """A tensor of `numel` elements backed by the file `path` in /dev/shm, shared with the process that made it. The
     file is opened first without O_CREAT or links (torch.from_file would create a missing file) and its size checked;
@@ -1280,6 +1264,52 @@ def map_cuda_buffer(spec: dict, device, dtype):
         base64.b64decode(spec["event_handle"]),
         spec["event_sync_required"],
     )
+
+
+def add_one_gpu_routes(app, args: Args, state: ServerState) -> None:
+    """The routes of grpo_gsm8k_lora_one_gpu.py's setting: release and take back vLLM's memory (/sleep, /wake_up), load
+    a LoRA adapter in place (/update_adapter)."""
+    from fastapi import HTTPException
+    from pydantic import BaseModel
+
+    class SleepRequest(BaseModel):
+        level: int = 1
+
+    @app.post("/sleep")
+    async def sleep(req: SleepRequest):
+        return await sleep_engine(args, state, req.level)
+
+    class WakeRequest(BaseModel):
+        tags: Optional[list[str]] = None
+
+    @app.post("/wake_up")
+    async def wake_up(req: WakeRequest):
+        return await wake_engine(args, state, req.tags)
+
+    class AdapterRequest(BaseModel):
+        name: str  # what /generate's `lora` (and vLLM's /v1 routes' `model`) call it
+        path: str  # a directory with adapter_config.json and adapter_model.safetensors, readable by this server
+        version: Optional[int] = None  # default: its previous version + 1
+
+    @app.post("/update_adapter")
+    async def update_adapter(req: AdapterRequest):
+        answer = await load_adapter(state, app.state.openai_serving_models, req.name, req.path, req.version)
+        if answer["status"] != "ok":
+            raise HTTPException(400, answer["error"])
+        return answer
+
+
+async def init_shared(args: Args, state: ServerState, spec):
+    """/init_communicator with transport "shared": the staging buffer `spec` checked (a 400 before anything is mapped),
+    then mapped by the worker in a task of its own. Answers in two lines: "mapping", then "ok" or why not."""
+    from fastapi import HTTPException
+
+    if (problem := await shared_spec_problem(args, state, spec)) is not None:
+        raise HTTPException(400, problem)
+    if state.updating:
+        raise HTTPException(409, "a weight update is running")
+    state.tasks += 1
+    return two_lines({"status": "mapping"}, asyncio.create_task(map_shared(args, state, spec)))
 
 
 async def shared_spec_problem(args: Args, state: ServerState, spec) -> Optional[str]:
