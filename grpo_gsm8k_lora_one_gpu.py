@@ -1200,6 +1200,20 @@ def push_adapter(url: str, peft_model, version: int, adapter_dir: str) -> float:
     return time.time() - t0
 
 
+def push_policy(url: str, sync: Optional[dict], push, model, lora, adapter: Optional[str], version: int, args: Args):
+    """Step 6 of the loop: the policy to the server at `url` as `version`; returns the seconds taken. --lora-sync
+    adapter: the adapter's files (push_adapter), checked later by its logprobs (verify_adapter: vLLM's KV cache must be
+    back). Else the weights, LoRA merged into the base while they travel, by `push` over `sync` (the transport's),
+    compared with the server's checksums after with --verify-sync."""
+    if adapter is not None:
+        return push_adapter(url, lora, version, args.lora_adapter_dir)
+    with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
+        seconds = push(sync, model, version)["seconds"]
+        if args.verify_sync:
+            verify_weights(sync, model)
+    return seconds
+
+
 def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args, pad_id: int) -> float:
     """--verify-sync with --lora-sync adapter. vLLM holds an adapter in its own layout (stacked, padded to its
     --max-lora-rank), so no checksum compares it with the trainer's; its logprobs do. Sample 4 short completions of
@@ -1779,6 +1793,8 @@ if __name__ == "__main__":
         init_adamw_state(optimizer)
     adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
     if adapter is not None:  # the server runs the base it started with: only the adapter moves
+        sync = None
+        push = None
         push_adapter(url, lora, version, args.lora_adapter_dir)
     else:
         if args.sync_transport == "checkpoint":
@@ -1884,13 +1900,7 @@ if __name__ == "__main__":
             asleep_bytes = wake_vllm(url, device, asleep_bytes, ["weights"])
         if not bad and step % args.sync_every_steps == 0:
             version += 1
-            if adapter is None:
-                with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
-                    sync_s = push(sync, model, version)["seconds"]
-                    if args.verify_sync:
-                        verify_weights(sync, model)
-            else:
-                sync_s = push_adapter(url, lora, version, args.lora_adapter_dir)
+            sync_s = push_policy(url, sync, push, model, lora, adapter, version, args)
         elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
             with lora_merged(lora):
                 push(sync, model, version)
