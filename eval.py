@@ -47,7 +47,8 @@ from typing import Literal, NamedTuple, Optional
 
 import requests
 
-# The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main.
+# The grader and its worker processes must not pay for (or inherit) torch: heavy imports happen in main and in the
+# functions that use them.
 
 
 @dataclass
@@ -155,6 +156,11 @@ def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: 
     for k in pass_ks(n):
         m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
     return m
+
+
+def per_problem(flat: list, n: int) -> list[list]:
+    """[problems * n] -> [problems][n]: each problem's n samples, in the order they were generated."""
+    return [flat[i : i + n] for i in range(0, len(flat), n)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,6 +399,21 @@ def grade_batch(
     return grades
 
 
+def grade_samples(texts: list[str], golds: list[str], args: Args) -> tuple[list[list[bool]], list[list[bool]]]:
+    """Every sample against its problem's gold (`texts`: the completions as graded, [problems * n]), in worker
+    processes with a CPU-time limit. Returns the verdicts correct and parse_error, [problems][n] each."""
+    grades = grade_batch(
+        texts,
+        [g for g in golds for _ in range(args.n)],
+        args.grade_timeout_s,
+        task=args.task,
+        strict_format=args.strict_format,
+        backstop_s=args.grade_backstop_s,
+        workers=args.grade_workers,
+    )
+    return per_problem([g.correct for g in grades], args.n), per_problem([g.parse_error for g in grades], args.n)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The client side of vllm_sync_server.py, and the data
 def auth_headers() -> dict:
@@ -504,6 +525,44 @@ def generate_openai(
         return list(pool.map(one, range(len(chats))))
 
 
+def generate_samples(
+    args: Args, url: str, client, served: str, questions: list[str], prompt_ids: list[list[int]]
+) -> list[list[dict]]:
+    """--n samples per problem, from the --base-url server (the chat messages) or from vllm_sync_server.py (the
+    prompts' token ids), with a progress bar on stderr (stdout keeps the table). Returns [problems][n] completions."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        bar = progress.add_task("generate", total=len(questions))
+        if args.base_url:  # the server applies its chat template to the same messages: the same tokens (docs)
+            results = generate_openai(
+                client,
+                served,
+                chats=[chat_messages(args.system_prompt, q) for q in questions],
+                n=args.n,
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                concurrency=args.concurrency,
+                seed=args.seed,
+                neutral_sampling=args.neutral_sampling,
+                on_done=lambda: progress.advance(bar),
+            )
+        else:
+            results = generate(
+                url,
+                prompt_ids,
+                n=args.n,
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                concurrency=args.concurrency,
+                seed=args.seed,
+                on_done=lambda: progress.advance(bar),
+            )
+    return [res["completions"] for res in results]
+
+
 def openai_model(client, name: Optional[str]) -> str:
     """The model a --base-url server is asked for: `name`, or the first it lists. Listing is also the check that the
     server answers and takes the key, before any work: a clear error naming the URL otherwise."""
@@ -584,6 +643,28 @@ def start_vllm_server(args: Args, log_path: str):
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
 
+def connect(args: Args, console) -> tuple[str, object, str]:
+    """The server to evaluate: the --base-url one through the openai client, or vllm_sync_server.py (started first
+    with --start-server). Returns its URL, the client (None for vllm_sync_server.py) and the model it serves, with a
+    warning when that is not --model."""
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    client = None
+    if args.base_url:  # any OpenAI-compatible server; the client needs a key string, and vLLM ignores it when unkeyed
+        import openai
+
+        url = args.base_url
+        key = os.environ.get("VLLM_API_KEY") or "EMPTY"
+        client = openai.OpenAI(base_url=url, api_key=key, timeout=args.request_timeout_s, max_retries=args.max_retries)
+        served = openai_model(client, args.served_model_name)
+    else:
+        if args.start_server:
+            start_vllm_server(args, "vllm_server.log")
+        served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
+    if served != args.model:  # the tokenizer and template come from --model, the completions from the server
+        console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
+    return url, client, served
+
+
 def saved_args(path: str) -> dict:
     """The arguments a training script saved with the checkpoint at `path` (its args.json), those that are flags of
     this script, tuples restored from JSON's lists; {} when the checkpoint has none."""
@@ -631,6 +712,22 @@ def servable_model(model: str) -> str:
     return merged
 
 
+def check_args(args: Args) -> None:
+    """Refuse contradictory or empty settings before any work. A LoRA checkpoint's --model becomes, in `args`, its
+    merged model."""
+    if args.n > 1 and args.temperature == 0:
+        raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
+    if args.base_url and args.start_server:
+        raise SystemExit("--base-url evaluates a server that is already running: leave out --start-server")
+    if (model := servable_model(args.model)) != args.model:  # a LoRA checkpoint: its merged model
+        print(f"{args.model} is a LoRA checkpoint: evaluating its merged model {model}", flush=True)
+        args.model = model
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
+    if args.grade_workers < 1:
+        raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
+
+
 DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
 
 
@@ -647,123 +744,43 @@ def load_split(dataset: str, split: str, task: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, split=split))
 
 
-if __name__ == "__main__":
-    args = parse_args()  # before the heavy imports: --help is instant
-    if args.n > 1 and args.temperature == 0:
-        raise SystemExit("--n > 1 needs --temperature > 0: greedy samples are all the same (and vLLM refuses them)")
-    if args.base_url and args.start_server:
-        raise SystemExit("--base-url evaluates a server that is already running: leave out --start-server")
-    if (model := servable_model(args.model)) != args.model:  # a LoRA checkpoint: its merged model
-        print(f"{args.model} is a LoRA checkpoint: evaluating its merged model {model}", flush=True)
-        args.model = model
-    if args.limit is not None and args.limit < 1:
-        raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
-    if args.grade_workers < 1:
-        raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
-    dataset = args.dataset or DEFAULT_DATASET[args.task]
-    rows = load_split(dataset, args.split, args.task)[: args.limit]  # before the server: no problems, no server
-    if not rows:
-        raise SystemExit(f"no problems to evaluate: {dataset} ({args.split} split) holds none")
+def chat_messages(system_prompt: str, question: str) -> list[dict]:
+    """A problem as chat messages: the system prompt (none if ""), then the question as it is, the user's turn."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": question}]
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-    from transformers import AutoTokenizer
 
-    # TRY NOT TO MODIFY: server, data (the only randomness is the sampling, seeded per request on the server)
-    start_time = time.time()
-    console = Console()
-    url = f"http://{args.vllm_host}:{args.vllm_port}"
-    out = args.out or f"{args.task}_eval.jsonl"
-    if args.base_url:  # any OpenAI-compatible server; the client needs a key string, and vLLM ignores it when unkeyed
-        import openai
+def render_prompt(tokenizer, system_prompt: str, question: str) -> str:
+    """What a chat route renders from chat_messages(system_prompt, question), with the same template: the prompt
+    text, the assistant's turn opened."""
+    msgs = chat_messages(system_prompt, question)
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
-        url = args.base_url
-        key = os.environ.get("VLLM_API_KEY") or "EMPTY"
-        client = openai.OpenAI(base_url=url, api_key=key, timeout=args.request_timeout_s, max_retries=args.max_retries)
-        served = openai_model(client, args.served_model_name)
-    else:
-        if args.start_server:
-            start_vllm_server(args, "vllm_server.log")
-        served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
-    if served != args.model:  # the tokenizer and template come from --model, the completions from the server
-        console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
 
-    def chat(question: str) -> list[dict]:
-        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        return msgs + [{"role": "user", "content": question}]
-
-    def render(question: str) -> str:  # what a chat route renders from chat(question), with the same template
-        return tokenizer.apply_chat_template(chat(question), tokenize=False, add_generation_prompt=True)
-
-    template = render("{question}")  # what every prompt looks like; goes into the summary
-    # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
-    think_prefilled = template.rstrip().endswith("<think>")
-
-    # 1) prompts: the question as it is, in the model's chat template (zero-shot, no answer-format hint
-    #    unless the system prompt gives one); gold = the raw answer field (MATH without `answer`: the solution)
-    questions = [r["question"] if args.task == "gsm8k" else r["problem"] for r in rows]
-    golds = [r["answer"] if args.task == "gsm8k" else (r.get("answer") or r["solution"]) for r in rows]
-    prompts = [render(q) for q in questions]
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-
-    # 2) generate: n samples per problem, progress on stderr (stdout keeps the table)
-    columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True)) as progress:
-        bar = progress.add_task("generate", total=len(rows))
-        if args.base_url:  # the server applies its chat template to the same messages: the same tokens (docs)
-            results = generate_openai(
-                client,
-                served,
-                chats=[chat(q) for q in questions],
-                n=args.n,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-                concurrency=args.concurrency,
-                seed=args.seed,
-                neutral_sampling=args.neutral_sampling,
-                on_done=lambda: progress.advance(bar),
-            )
-        else:
-            results = generate(
-                url,
-                prompt_ids,
-                args.n,
-                args.temperature,
-                args.max_tokens,
-                args.concurrency,
-                args.seed,
-                on_done=lambda: progress.advance(bar),
-            )
-    samples = [res["completions"] for res in results]  # [problems][n]
-    texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
-
-    # 3) grade: every sample against its problem's gold, in worker processes with a CPU-time limit
-    grades = grade_batch(
-        texts,
-        [g for g in golds for _ in range(args.n)],
-        args.grade_timeout_s,
-        task=args.task,
-        strict_format=args.strict_format,
-        backstop_s=args.grade_backstop_s,
-        workers=args.grade_workers,
-    )
-
-    def per_problem(flat: list) -> list[list]:  # [problems * n] -> [problems][n]
-        return [flat[i * args.n : (i + 1) * args.n] for i in range(len(rows))]
-
-    correct = per_problem([g.correct for g in grades])
-    parse_error = per_problem([g.parse_error for g in grades])
-    # /generate returns the token ids; a chat completion only their count
-    tokens = [[len(c["token_ids"]) if "token_ids" in c else c["completion_tokens"] for c in cs] for cs in samples]
-
-    # 4) metrics: first-sample accuracy, rates over all samples, pass@k
-    metrics = summarize(correct, parse_error, tokens)
-
-    # 5) log: one JSONL line per problem, a summary line, a table
-    graded = per_problem(texts)
-    with open(out, "w") as f:
+# ---------------------------------------------------------------------------------------------------
+# The output: one JSONL line per problem, a summary line, a table
+def write_results(
+    path: str,
+    args: Args,
+    *,
+    rows: list[dict],
+    prompts: list[str],
+    golds: list[str],
+    samples: list[list[dict]],
+    texts: list[str],
+    correct: list[list[bool]],
+    parse_error: list[list[bool]],
+    tokens: list[list[int]],
+    metrics: dict,
+    served: str,
+    dataset: str,
+    template: str,
+    start_time: float,
+) -> None:
+    """The JSONL file at `path`: one line per problem (its prompt, gold, completions, extracted answers and verdicts),
+    then a summary line: the metrics and what produced them. `texts`: the completions as graded, [problems * n]."""
+    graded = per_problem(texts, args.n)
+    with open(path, "w") as f:
         for i, row in enumerate(rows):
             record = {
                 "index": i,
@@ -798,13 +815,83 @@ if __name__ == "__main__":
             "elapsed_s": time.time() - start_time,
         }
         f.write(json.dumps({"summary": summary}) + "\n")
-    table = Table("metric", "value", title=f"{args.task} {args.split}: {len(rows)} problems x {args.n}")
+
+
+def print_results(
+    console, args: Args, metrics: dict, problems: int, template: str, out: str, start_time: float
+) -> None:
+    """The metrics as a table on stdout, then the model, its template and where the lines went."""
+    from rich.table import Table
+
+    table = Table("metric", "value", title=f"{args.task} {args.split}: {problems} problems x {args.n}")
     for k, v in metrics.items():
         table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
     console.print(table)
     console.print(
-        f"model {args.model}, template {template!r}; {len(rows) + 1} lines written to {out} "
+        f"model {args.model}, template {template!r}; {problems + 1} lines written to {out} "
         f"in {time.time() - start_time:.1f}s",
         soft_wrap=True,
         markup=False,
     )
+
+
+if __name__ == "__main__":
+    args = parse_args()  # before the heavy imports: --help is instant
+    check_args(args)
+    dataset = args.dataset or DEFAULT_DATASET[args.task]
+    rows = load_split(dataset, args.split, args.task)[: args.limit]  # before the server: no problems, no server
+    if not rows:
+        raise SystemExit(f"no problems to evaluate: {dataset} ({args.split} split) holds none")
+
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    # TRY NOT TO MODIFY: server, data (the only randomness is the sampling, seeded per request on the server)
+    start_time = time.time()
+    console = Console()
+    out = args.out or f"{args.task}_eval.jsonl"
+    url, client, served = connect(args, console)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # what every prompt looks like; goes into the summary
+    template = render_prompt(tokenizer, args.system_prompt, "{question}")
+    # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
+    think_prefilled = template.rstrip().endswith("<think>")
+
+    # 1) prompts: the question as it is, in the model's chat template (zero-shot, no answer-format hint
+    #    unless the system prompt gives one); gold = the raw answer field (MATH without `answer`: the solution)
+    questions = [r["question"] if args.task == "gsm8k" else r["problem"] for r in rows]
+    golds = [r["answer"] if args.task == "gsm8k" else (r.get("answer") or r["solution"]) for r in rows]
+    prompts = [render_prompt(tokenizer, args.system_prompt, q) for q in questions]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+
+    # 2) generate: n samples per problem, progress on stderr (stdout keeps the table)
+    samples = generate_samples(args, url=url, client=client, served=served, questions=questions, prompt_ids=prompt_ids)
+    texts = [("<think>" if args.strict_format and think_prefilled else "") + c["text"] for cs in samples for c in cs]
+
+    # 3) grade: every sample against its problem's gold, in worker processes with a CPU-time limit
+    correct, parse_error = grade_samples(texts, golds, args)
+    # /generate returns the token ids; a chat completion only their count
+    tokens = [[len(c["token_ids"]) if "token_ids" in c else c["completion_tokens"] for c in cs] for cs in samples]
+
+    # 4) metrics: first-sample accuracy, rates over all samples, pass@k
+    metrics = summarize(correct, parse_error, tokens)
+
+    # 5) log: one JSONL line per problem, a summary line, a table
+    write_results(
+        out,
+        args,
+        rows=rows,
+        prompts=prompts,
+        golds=golds,
+        samples=samples,
+        texts=texts,
+        correct=correct,
+        parse_error=parse_error,
+        tokens=tokens,
+        metrics=metrics,
+        served=served,
+        dataset=dataset,
+        template=template,
+        start_time=start_time,
+    )
+    print_results(console, args, metrics, problems=len(rows), template=template, out=out, start_time=start_time)
