@@ -1475,6 +1475,35 @@ def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
         wandb.log(metrics, step=step)
 
 
+def start_progress(total: int, completed: int):
+    """A live bar of the run's steps on stderr, for a person at a terminal (as tqdm does), the metric lines printed
+    above it; None when stderr is no terminal (a log file, CI)."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        redirect_stdout=sys.stdout.isatty(),
+        redirect_stderr=False,
+    )
+    progress.add_task("", total=total, completed=completed)
+    progress.start()
+    return progress
+
+
+def show_progress(progress, step: int, metrics: dict) -> None:
+    """The bar (start_progress's; None: no bar) at `step`, with the step's reward and seconds."""
+    if progress is None:
+        return
+    description = f"reward {metrics['reward']:.2f}, {metrics['step_s']:.1f} s/step"
+    progress.update(progress.task_ids[0], completed=step, description=description)
+
+
 def prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
     """A problem as the model's chat prompt, in token ids: the system prompt (none if ""), the problem as the user's
     turn, the assistant's turn opened (the template's text, tokenized without adding special tokens twice)."""
@@ -1819,21 +1848,7 @@ if __name__ == "__main__":
         log_metrics(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter), step, loggers)
     total_tokens = 0
     start_time = time.time()
-    progress = None
-    if sys.stderr.isatty():  # a live bar for a person at a terminal (as tqdm does), the metric lines printed above it
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        progress = Progress(
-            TextColumn("train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.description}"),
-            redirect_stdout=sys.stdout.isatty(),
-            redirect_stderr=False,
-        )
-        progress_task = progress.add_task("", total=args.train_steps, completed=step)
-        progress.start()
+    progress = start_progress(args.train_steps, step)
     while step < args.train_steps:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
@@ -1933,12 +1948,7 @@ if __name__ == "__main__":
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
         log_metrics(metrics, step, loggers)
-        if progress is not None:
-            progress.update(
-                progress_task,
-                completed=step,
-                description=f"reward {metrics['reward']:.2f}, {metrics['step_s']:.1f} s/step",
-            )
+        show_progress(progress, step, metrics)
         if step % args.save_every == 0 or step == args.train_steps:
             counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
