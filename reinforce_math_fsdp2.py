@@ -1169,6 +1169,58 @@ def parse_args() -> Args:
     return args
 
 
+def parse_args_on_every_rank(rank: int) -> Args:
+    """parse_args on every rank, printed once: under torchrun only rank 0 prints --help or a flag error. The others
+    read the command line quietly and, on an error, exit a moment later, so that torchrun does not kill rank 0 before
+    it has printed. With --rank0-only-output the other ranks' stdout goes to /dev/null from here on."""
+    import contextlib
+
+    if rank == 0:
+        return parse_args()
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        try:
+            args = parse_args()
+        except SystemExit as e:
+            time.sleep(5 if e.code else 0)
+            raise
+    if args.rank0_only_output:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
+    return args
+
+
+def check_args_on_every_rank(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None:
+    """Before any work, on every rank: exit 0 when the newest checkpoint (`ckpts`: their steps, with --resume) has
+    --train-steps already, else refuse what cannot run. Rank 0 says why first: the others exit 5 s later, since torchrun
+    stops every rank once one has exited."""
+    try:
+        if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+            raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+        if ckpts and ckpts[-1] >= args.train_steps:
+            if rank == 0:
+                print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+            raise SystemExit(0)
+        check_run_files(args, args.rollout_log.replace("{RANK}", str(rank)))
+        # DCP would reshard the model and optimizer state, but not the rest of it: each rank's data share, RNG
+        # streams and rollout log belong to its RANK
+        saved_ranks = world_size
+        if ckpts:
+            trainer_dir = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}", "trainer")
+            saved_ranks = len([f for f in os.listdir(trainer_dir) if re.fullmatch(r"rank\d+\.pt", f)])
+        if saved_ranks != world_size:
+            raise SystemExit(
+                f"step_{ckpts[-1]} in {args.checkpoint_dir} was written by {saved_ranks} ranks: resume it on "
+                f"{saved_ranks} (--nproc-per-node x nodes), not {world_size}"
+            )
+        if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+            raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+        for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+            if value is not None and value < 1:
+                raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+    except SystemExit as e:
+        time.sleep(0 if rank == 0 or not e.code else 5)  # (nothing to do: every rank exits at once)
+        raise
+
+
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
     """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
     log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
@@ -1199,55 +1251,12 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
 
 
 if __name__ == "__main__":
-    import contextlib
-
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if rank == 0:
-        args = parse_args()  # before importing torch: --help is instant
-    else:  # under torchrun only rank 0 prints --help or a flag error; the others exit quietly, and on an
-        # error a moment later, so that torchrun does not kill rank 0 before it has printed
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-            try:
-                args = parse_args()
-            except SystemExit as e:
-                time.sleep(5 if e.code else 0)
-                raise
-        if args.rank0_only_output:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
-    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-        time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
-        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    args = parse_args_on_every_rank(rank)  # before importing torch: --help is instant
     run_args = asdict(args)  # saved with every checkpoint
     ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
-    if ckpts and ckpts[-1] >= args.train_steps:
-        if rank == 0:
-            print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-        raise SystemExit(0)
-    try:
-        check_run_files(args, args.rollout_log.replace("{RANK}", str(rank)))
-        # DCP would reshard the model and optimizer state, but not the rest of it: each rank's data share, RNG
-        # streams and rollout log belong to its RANK
-        saved_ranks = world_size
-        if ckpts:
-            trainer_dir = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}", "trainer")
-            saved_ranks = len([f for f in os.listdir(trainer_dir) if re.fullmatch(r"rank\d+\.pt", f)])
-        if saved_ranks != world_size:
-            raise SystemExit(
-                f"step_{ckpts[-1]} in {args.checkpoint_dir} was written by {saved_ranks} ranks: resume it on "
-                f"{saved_ranks} (--nproc-per-node x nodes), not {world_size}"
-            )
-    except SystemExit:
-        time.sleep(0 if rank == 0 else 5)  # rank 0 says it first: torchrun stops the others once one has exited
-        raise
-
-    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-        time.sleep(0 if rank == 0 else 5)
-        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
-        if value is not None and value < 1:
-            time.sleep(0 if rank == 0 else 5)
-            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+    check_args_on_every_rank(args, rank, world_size, ckpts)
 
     # data, before anything heavy (a set with nothing to train on stops the run before a model loads): the training
     # problems less those of the evaluation set (its whole test split, not only --eval-limit's share), then --limit
