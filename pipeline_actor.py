@@ -423,6 +423,66 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
+# ---------------------------------------------------------------------------------------------------
+# The actor's requests and records
+def chat_messages(system_prompt: str, question: str) -> list[dict]:
+    """A problem as chat messages: the system prompt (none if ""), then the question as it is, the user's turn."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": question}]
+
+
+def generate_group(url: str, question: str, args: Args) -> dict:
+    """One problem's group from the server at `url`: --group-size completions of its chat prompt, each with its token
+    ids, the sampler's logprobs and the policy versions that sampled it."""
+    body = {
+        "messages": [chat_messages(args.system_prompt, question)],
+        "n": args.group_size,
+        "temperature": args.temperature,
+        "max_tokens": args.max_completion_tokens,
+    }
+    return post(url, "/generate", body).json()["results"][0]
+
+
+def make_records(samples: list, grades: list, advantages: list[float], version: int, actor_id: str, args: Args):
+    """One msgpack record per completion, in the format of the module's docstring. A completion whose server named no
+    versions is labelled with `version`, the servers' version when the actor last asked."""
+    import msgpack
+
+    records = []
+    for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
+        completion = sample.completion
+        versions = completion["versions"] or [version]  # the versions of the weights that sampled its tokens
+        record = {
+            "schema": 1,
+            "id": f"{actor_id}/{sample.group}/{sample.index}",
+            "group_id": f"{actor_id}/{sample.group}",
+            "prompt_token_ids": sample.prompt_ids,
+            "completion_token_ids": completion["token_ids"],
+            "logprobs": completion["logprobs"],
+            "temperature": args.temperature,
+            "reward": grade_.reward,
+            "advantage": advantage,
+            "version_min": min(versions),
+            "version_max": max(versions),
+            "text": completion["text"],
+            "correct": grade_.correct,
+            "parse_error": grade_.parse_error,
+            "finish_reason": completion["finish_reason"],
+            "actor": actor_id,
+            "time": time.time(),
+        }
+        records.append(msgpack.packb(record))
+    return records
+
+
+def push_records(r, queue_key: str, records: list[bytes]) -> None:
+    """The records onto the queue and its counter of records pushed (`queue_key`:pushed), atomically (MULTI/EXEC)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.rpush(queue_key, *records)
+    pipe.incrby(queue_key + ":pushed", len(records))
+    pipe.execute()
+
+
 if __name__ == "__main__":
     import tyro
 
@@ -434,7 +494,6 @@ if __name__ == "__main__":
 
     import random
 
-    import msgpack
     import redis
 
     # TRY NOT TO MODIFY: data, Redis, servers
@@ -446,26 +505,6 @@ if __name__ == "__main__":
     order = rng.sample(range(len(train)), len(train))
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
     r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
-    pushed_key = args.queue_key + ":pushed"
-
-    def push(records: list[bytes]) -> None:  # the records and the counter, atomically (MULTI/EXEC)
-        pipe = r.pipeline(transaction=True)
-        pipe.rpush(args.queue_key, *records)
-        pipe.incrby(pushed_key, len(records))
-        pipe.execute()
-
-    def messages(question: str) -> list[dict]:
-        msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        return msgs + [{"role": "user", "content": question}]
-
-    def generate_group(url: str, question: str) -> dict:
-        body = {
-            "messages": [messages(question)],
-            "n": args.group_size,
-            "temperature": args.temperature,
-            "max_tokens": args.max_completion_tokens,
-        }
-        return post(url, "/generate", body).json()["results"][0]
 
     # backpressure state: see the docstring for the rule
     version0 = server_version(args.vllm_urls)  # the version the servers served when this actor started
@@ -506,7 +545,7 @@ if __name__ == "__main__":
                 break
             row = train[order[next_group % len(train)]]
             url = min(args.vllm_urls, key=lambda u: load[u])  # the least busy server
-            fut = pool.submit(generate_group, url, row["question"])
+            fut = pool.submit(generate_group, url, row["question"], args)
             inflight[fut] = (next_group, row, url)
             load[url] += 1
             next_group += 1
@@ -558,31 +597,9 @@ if __name__ == "__main__":
         truncated = [sample.completion["finish_reason"] == "length" for sample in samples]
 
         # 5) push one record per completion (format: see the docstring)
-        records = []
-        for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
-            completion = sample.completion
-            versions = completion["versions"] or [version]  # the versions of the weights that sampled its tokens
-            record = {
-                "schema": 1,
-                "id": f"{actor_id}/{sample.group}/{sample.index}",
-                "group_id": f"{actor_id}/{sample.group}",
-                "prompt_token_ids": sample.prompt_ids,
-                "completion_token_ids": completion["token_ids"],
-                "logprobs": completion["logprobs"],
-                "temperature": args.temperature,
-                "reward": grade_.reward,
-                "advantage": advantage,
-                "version_min": min(versions),
-                "version_max": max(versions),
-                "text": completion["text"],
-                "correct": grade_.correct,
-                "parse_error": grade_.parse_error,
-                "finish_reason": completion["finish_reason"],
-                "actor": actor_id,
-                "time": time.time(),
-            }
-            records.append(msgpack.packb(record))
-        with_retries("RPUSH", where, lambda records=records: push(records))  # blocks (and retries) while Redis is down
+        records = make_records(samples, grades, advantages, version, actor_id, args)
+        # blocks (and retries) while Redis is down
+        with_retries("RPUSH", where, lambda records=records: push_records(r, args.queue_key, records))
         pushed_groups += len(finished)
         pushed_records += len(records)
 
