@@ -997,6 +997,27 @@ def generate(
         return list(pool.map(one, range(len(prompts))))
 
 
+def use_device(device) -> None:
+    """Train on `device`, and say so. A GPU becomes the current one (NCCL and every unplaced allocation use it, not
+    cuda:0); one without bfloat16 is refused (update_policy's autocast; emulated, it would crawl)."""
+    import torch
+
+    if device.type == "cpu":
+        print(
+            "training on cpu (no CUDA GPU visible: training on a GPU needs torch built for CUDA and a CUDA 13 driver, "
+            "see requirements.txt)",
+            flush=True,
+        )
+        return
+    torch.cuda.set_device(device)
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise SystemExit(
+            f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this trainer computes in "
+            "bf16 autocast"
+        )
+    print(f"training on {device}", flush=True)
+
+
 def physical_gpu(index: int) -> str:
     """The GPU that this process sees as cuda:`index`, named for a child process: CUDA_VISIBLE_DEVICES renumbers the
     GPUs it lists (`4,5`: cuda:0 is GPU 4), and the server must land inside the user's set, on the GPU meant."""
@@ -1191,6 +1212,23 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_
     torch.save(state, os.path.join(path, "trainer_state.pt"))
 
 
+def load_trainer_state(path: str, optimizer) -> dict:
+    """What save_checkpoint saved at `path` besides the model: trainer_state.pt into `optimizer` and the random
+    generators. Returns the run's counters (step, version, skipped, data_pos, order)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)  # any device's
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    print(f"resumed from {path} at step {state['step']}", flush=True)
+    return {name: state[name] for name in ("step", "version", "skipped", "data_pos", "order")}
+
+
 def checkpoint_steps(checkpoint_dir: str) -> list[int]:
     """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
     if not os.path.isdir(checkpoint_dir):
@@ -1240,6 +1278,17 @@ def parse_args() -> Args:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     return args
+
+
+def check_args(args: Args) -> None:
+    """Settings refused before any work, naming the flag (the counts are parse_args's to check)."""
+    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
 
 
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
@@ -1295,36 +1344,31 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
-if __name__ == "__main__":
-    args = parse_args()  # before the heavy imports: --help is instant
-    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
-    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
-    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-    check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
-    if ckpts and ckpts[-1] >= args.train_steps:
-        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-        raise SystemExit(0)
-
-    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
-        if value is not None and value < 1:
-            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
-
-    # data, before anything heavy (a set with nothing to train on stops the run before a model loads): GSM8K problems,
-    # gold = the raw answer field; the training problems less those of the test split (all of it), then --limit
+def load_problems(args: Args) -> tuple[list[dict], list[dict]]:
+    """GSM8K's problems (gold: the raw answer field): the training problems less those of the test split (all of it),
+    then the first --limit; the first --eval-limit test problems. No training problem left stops the run."""
     train = load_split(args.dataset, "train")
     test = load_split(args.dataset, "test")
     clean, overlap = drop_eval_overlap(train, test, "question")
     fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
     print(f"training problems: {len(train)} in {args.dataset}, {overlap} of them test problems: {fate}", flush=True)
-    n_rows = len(train)
-    train = (train if args.keep_eval_overlap else clean)[: args.limit]
-    test = test[: args.eval_limit]
-    if not train:
+    kept = (train if args.keep_eval_overlap else clean)[: args.limit]
+    if not kept:
         dropped = f", and the {overlap} that are test problems were dropped" if overlap else ""
-        raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
+        raise SystemExit(f"no training problems: {args.dataset} holds {len(train)}{dropped}")
+    return kept, test[: args.eval_limit]
+
+
+if __name__ == "__main__":
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
+    check_args(args)
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    train, test = load_problems(args)  # before anything heavy: a set with nothing to train on stops the run here
     import random
 
     import numpy as np
@@ -1342,23 +1386,7 @@ if __name__ == "__main__":
             "grpo_gsm8k_lora_one_gpu.py (vLLM asleep while the trainer updates, the weights through its memory)"
         )
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
-        if not torch.cuda.is_bf16_supported(including_emulation=False):  # (emulated bf16 would crawl, if it ran)
-            raise SystemExit(
-                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this trainer computes in "
-                "bf16 autocast"
-            )
-    print(
-        f"training on {device}"
-        + (
-            ""
-            if n_gpu
-            else " (no CUDA GPU visible: training on a GPU needs torch built for "
-            "CUDA and a CUDA 13 driver, see requirements.txt)"
-        ),
-        flush=True,
-    )
+    use_device(device)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log")
@@ -1373,10 +1401,6 @@ if __name__ == "__main__":
     test_prompts = [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in test]
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
-    step = 0  # optimizer steps taken
-    version = 0  # the policy version the server holds (one per push)
-    skipped = 0  # steps skipped for a non-finite loss or gradient
-    data_pos = 0  # training prompts drawn so far (the data order and the sampling seeds follow it)
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     if args.activation_checkpointing:
@@ -1386,19 +1410,14 @@ if __name__ == "__main__":
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
+    counters = {"step": 0, "version": 0, "skipped": 0, "data_pos": 0, "order": order}  # a new run's
     if load_from != args.model:
-        state_path = os.path.join(load_from, "trainer_state.pt")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)  # saved from any device
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        version = state["version"]
-        skipped = state["skipped"]
-        data_pos = state["data_pos"]
-        order = state["order"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        print(f"resumed from {load_from} at step {step}", flush=True)
+        counters = load_trainer_state(load_from, optimizer)  # the checkpoint's
+    step = counters["step"]  # optimizer steps taken
+    version = counters["version"]  # the policy version the server holds (one per push)
+    skipped = counters["skipped"]  # steps skipped for a non-finite loss or gradient
+    data_pos = counters["data_pos"]  # training prompts drawn so far (the data order and the sampling seeds follow it)
+    order = counters["order"]  # the training problems' order
     if args.sync_transport == "checkpoint":
         sync = init_checkpoint_sync(url, args.sync_dir)
         push = save_and_load_weights

@@ -1200,6 +1200,32 @@ def push_adapter(url: str, peft_model, version: int, adapter_dir: str) -> float:
     return time.time() - t0
 
 
+def load_policy(args: Args, url: str, device, load_from: str):
+    """The model trained, and its LoRA adapter (None without --lora-rank), on `device`. LoRA: a frozen base from
+    --model in the dtype weights travel in (the server's: half of fp32's memory in bf16), and fp32 adapters, fresh or
+    those of the checkpoint at `load_from`. Without: fp32 master weights from `load_from` (bf16 autocast on GPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not args.lora_rank:
+        return AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train(), None
+    wire_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, wire_dtype)).to(device).train()
+    return model, add_lora(model, args, saved=None if load_from == args.model else load_from)
+
+
+def init_transport(args: Args, url: str, device, model, adapter: Optional[str]):
+    """The transport's end (`sync`) and its push function, by --sync-transport; (None, None) for an `adapter`: the
+    server keeps the base it started with, and only the adapter's files move (push_adapter)."""
+    if adapter is not None:
+        return None, None
+    if args.sync_transport == "checkpoint":
+        return init_checkpoint_sync(url, args.sync_dir), save_and_load_weights
+    if args.sync_transport == "shared":  # push_weights then writes into the staging buffer (push_shared)
+        return init_shared_sync(url, device, model, args.staging_mib), push_weights
+    return init_weight_sync(url, device, args.sync_host), push_weights
+
+
 def push_policy(url: str, sync: Optional[dict], push, model, lora, adapter: Optional[str], version: int, args: Args):
     """Step 6 of the loop: the policy to the server at `url` as `version`; returns the seconds taken. --lora-sync
     adapter: the adapter's files (push_adapter), checked later by its logprobs (verify_adapter: vLLM's KV cache must be
@@ -1292,6 +1318,27 @@ def generate(
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
+
+
+def use_device(device) -> None:
+    """Train on `device`, and say so. A GPU becomes the current one (NCCL and every unplaced allocation use it, not
+    cuda:0); one without bfloat16 is refused (update_policy's autocast; emulated, it would crawl)."""
+    import torch
+
+    if device.type == "cpu":
+        print(
+            "training on cpu (no CUDA GPU visible: training on a GPU needs torch built for CUDA and a CUDA 13 driver, "
+            "see requirements.txt)",
+            flush=True,
+        )
+        return
+    torch.cuda.set_device(device)
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise SystemExit(
+            f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this trainer computes in "
+            "bf16 autocast"
+        )
+    print(f"training on {device}", flush=True)
 
 
 def physical_gpu(index: int) -> str:
@@ -1593,6 +1640,23 @@ def save_checkpoint(path: str, model, lora, tokenizer, optimizer, counters: dict
     torch.save(state, os.path.join(path, "trainer_state.pt"))
 
 
+def load_trainer_state(path: str, optimizer) -> dict:
+    """What save_checkpoint saved at `path` besides the model: trainer_state.pt into `optimizer` and the random
+    generators. Returns the run's counters (step, version, skipped, data_pos, order)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)  # any device's
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    print(f"resumed from {path} at step {state['step']}", flush=True)
+    return {name: state[name] for name in ("step", "version", "skipped", "data_pos", "order")}
+
+
 def checkpoint_steps(checkpoint_dir: str) -> list[int]:
     """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
     if not os.path.isdir(checkpoint_dir):
@@ -1642,6 +1706,25 @@ def parse_args() -> Args:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     return args
+
+
+def check_args(args: Args) -> None:
+    """Settings refused before any work, naming the flag (the counts are parse_args's to check)."""
+    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+
+
+def check_lora_args(args: Args) -> None:
+    """The LoRA flags that do not go together, refused before any work."""
+    if args.lora_sync == "adapter" and not args.lora_rank:
+        raise SystemExit("--lora-sync adapter needs --lora-rank")
+    if args.lora_sync == "adapter" and args.verify_sync and args.max_logprob_mismatch == 0:
+        raise SystemExit("--verify-sync with --lora-sync adapter checks logprobs: it needs --max-logprob-mismatch > 0")
 
 
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
@@ -1697,40 +1780,32 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return list(datasets.load_dataset(dataset, "main", split=split))
 
 
-if __name__ == "__main__":
-    args = parse_args()  # before the heavy imports: --help is instant
-    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
-    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
-    if args.lora_sync == "adapter" and not args.lora_rank:
-        raise SystemExit("--lora-sync adapter needs --lora-rank")
-    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-    if args.lora_sync == "adapter" and args.verify_sync and args.max_logprob_mismatch == 0:
-        raise SystemExit("--verify-sync with --lora-sync adapter checks logprobs: it needs --max-logprob-mismatch > 0")
-    check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
-    if ckpts and ckpts[-1] >= args.train_steps:
-        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-        raise SystemExit(0)
-
-    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
-        if value is not None and value < 1:
-            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
-
-    # data, before anything heavy (a set with nothing to train on stops the run before a model loads): GSM8K problems,
-    # gold = the raw answer field; the training problems less those of the test split (all of it), then --limit
+def load_problems(args: Args) -> tuple[list[dict], list[dict]]:
+    """GSM8K's problems (gold: the raw answer field): the training problems less those of the test split (all of it),
+    then the first --limit; the first --eval-limit test problems. No training problem left stops the run."""
     train = load_split(args.dataset, "train")
     test = load_split(args.dataset, "test")
     clean, overlap = drop_eval_overlap(train, test, "question")
     fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
     print(f"training problems: {len(train)} in {args.dataset}, {overlap} of them test problems: {fate}", flush=True)
-    n_rows = len(train)
-    train = (train if args.keep_eval_overlap else clean)[: args.limit]
-    test = test[: args.eval_limit]
-    if not train:
+    kept = (train if args.keep_eval_overlap else clean)[: args.limit]
+    if not kept:
         dropped = f", and the {overlap} that are test problems were dropped" if overlap else ""
-        raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
+        raise SystemExit(f"no training problems: {args.dataset} holds {len(train)}{dropped}")
+    return kept, test[: args.eval_limit]
+
+
+if __name__ == "__main__":
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
+    check_args(args)
+    check_lora_args(args)
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    train, test = load_problems(args)  # before anything heavy: a set with nothing to train on stops the run here
     import random
 
     import numpy as np
@@ -1752,23 +1827,7 @@ if __name__ == "__main__":
     device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
     if sleep_level and device.type != "cuda":
         raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL and every unplaced allocation use the training GPU, not cuda:0
-        if not torch.cuda.is_bf16_supported(including_emulation=False):  # (emulated bf16 would crawl, if it ran)
-            raise SystemExit(
-                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this trainer computes in "
-                "bf16 autocast"
-            )
-    print(
-        f"training on {device}"
-        + (
-            ""
-            if n_gpu
-            else " (no CUDA GPU visible: training on a GPU needs torch built for "
-            "CUDA and a CUDA 13 driver, see requirements.txt)"
-        ),
-        flush=True,
-    )
+    use_device(device)
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     if args.start_server:
         start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
@@ -1783,20 +1842,8 @@ if __name__ == "__main__":
     test_prompts = [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in test]
 
     # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
-    step = 0  # optimizer steps taken
-    version = 0  # the policy version the server holds (one per push)
-    skipped = 0  # steps skipped for a non-finite loss or gradient
-    data_pos = 0  # training prompts drawn so far (the data order and the sampling seeds follow it)
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
-    if args.lora_rank:  # a frozen base in the dtype weights travel in (half of fp32's memory in bf16), fp32 adapters
-        wire_dtype = getattr(
-            torch, requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
-        )
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=wire_dtype).to(device).train()
-        lora = add_lora(model, args, saved=None if load_from == args.model else load_from)  # a checkpoint's adapter
-    else:
-        lora = None
-        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+    model, lora = load_policy(args, url, device, load_from)  # LoRA: a frozen base and the adapter trained
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
     ref_model = None
@@ -1805,36 +1852,21 @@ if __name__ == "__main__":
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     order = np.random.default_rng(args.seed).permutation(len(train))
+    counters = {"step": 0, "version": 0, "skipped": 0, "data_pos": 0, "order": order}  # a new run's
     if load_from != args.model:
-        state_path = os.path.join(load_from, "trainer_state.pt")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)  # saved from any device
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        version = state["version"]
-        skipped = state["skipped"]
-        data_pos = state["data_pos"]
-        order = state["order"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        print(f"resumed from {load_from} at step {step}", flush=True)
+        counters = load_trainer_state(load_from, optimizer)  # the checkpoint's
+    step = counters["step"]  # optimizer steps taken
+    version = counters["version"]  # the policy version the server holds (one per push)
+    skipped = counters["skipped"]  # steps skipped for a non-finite loss or gradient
+    data_pos = counters["data_pos"]  # training prompts drawn so far (the data order and the sampling seeds follow it)
+    order = counters["order"]  # the training problems' order
     if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
         init_adamw_state(optimizer)
     adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
+    sync, push = init_transport(args, url, device, model, adapter)
     if adapter is not None:  # the server runs the base it started with: only the adapter moves
-        sync = None
-        push = None
         push_adapter(url, lora, version, args.lora_adapter_dir)
     else:
-        if args.sync_transport == "checkpoint":
-            sync = init_checkpoint_sync(url, args.sync_dir)
-            push = save_and_load_weights
-        elif args.sync_transport == "shared":
-            sync = init_shared_sync(url, device, model, args.staging_mib)
-            push = push_weights  # (which writes into the staging buffer: see push_shared)
-        else:
-            sync = init_weight_sync(url, device, args.sync_host)
-            push = push_weights
         with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
             push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
     # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)

@@ -28,6 +28,7 @@ GRPO = ("grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py")  # a base and its variant
 ON_POLICY = (*GRPO, "reinforce_math_fsdp2.py")  # the trainers that sample their own batches
 DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies must still be identical)
     "Args": ("each script's own flags", []),
+    "check_args": ("each script's own flags", [GRPO]),
     "Sample": ("what each script keeps of a completion", []),
     "generate": ("each script asks the server for what it trains or evaluates on", []),
     "grade": ("GSM8K's answer, MATH's with a strict format, or either (eval.py's task)", [GSM8K]),
