@@ -820,113 +820,6 @@ def add_engine_routes(app, args: Args, state: ServerState) -> None:
         return {"status": "ok", "reset": await state.engine.reset_prefix_cache()}
 
 
-def key_required(app, keys: list[str]):
-    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`. vLLM's own check guards only its
-    /v1 routes; this one guards ours (which replace weights) and vLLM's others alike, with the same keys."""
-    from starlette.datastructures import Headers
-    from starlette.responses import JSONResponse
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-
-    vllm_check = AuthenticationMiddleware(app, keys)  # its verify_token: sha256 digests, compared in constant time
-
-    async def guarded(scope, receive, send):
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        open_route = scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" or path == "/health"
-        if open_route or vllm_check.verify_token(Headers(scope=scope)):
-            await app(scope, receive, send)
-            return
-        error = "this route needs the header 'Authorization: Bearer <api key>'"
-        await JSONResponse({"error": error}, status_code=401)(scope, receive, send)
-
-    return guarded
-
-
-async def serve(args: Args, vllm_args) -> None:
-    """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
-    from uvicorn.config import LOGGING_CONFIG
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
-
-    # The port is taken now, before the model loads, as vLLM's own server does: none of vLLM's processes can pick it
-    # meanwhile, and a busy port fails here, at once.
-    listen_address, sock = setup_server(vllm_args, reuse_port=False)
-    async with build_async_engine_client(vllm_args) as engine:
-        state = ServerState()
-        await prepare_sync(args, state, engine, vllm_args.model)
-        tasks = await engine.get_supported_tasks()
-        app = build_app(vllm_args, tasks, engine.model_config)
-        add_routes(app, args, state)
-        keys = [key for key in (vllm_args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
-        if keys:  # outermost: vLLM's bootstrap already built the app's middleware stack, so the check wraps it
-            app.middleware_stack = key_required(app.middleware_stack or app.build_middleware_stack(), keys)
-        await init_app_state(engine, app.state, vllm_args, tasks)
-        print(f"vllm_sync_server: serving {vllm_args.model} on {listen_address}", flush=True)
-        # vLLM's uvicorn runner, with the frontend flags of `vllm serve` (TLS, logging, header limits)
-        shutdown = await serve_http(
-            app,
-            sock=sock,
-            enable_ssl_refresh=vllm_args.enable_ssl_refresh,
-            host=vllm_args.host,
-            port=vllm_args.port,
-            log_level=vllm_args.uvicorn_log_level,
-            log_config=get_uvicorn_log_config(vllm_args) or LOGGING_CONFIG,  # (None would silence uvicorn's logs)
-            access_log=not vllm_args.disable_uvicorn_access_log,
-            ssl_keyfile=vllm_args.ssl_keyfile,
-            ssl_certfile=vllm_args.ssl_certfile,
-            ssl_ca_certs=vllm_args.ssl_ca_certs,
-            ssl_cert_reqs=vllm_args.ssl_cert_reqs,
-            ssl_ciphers=vllm_args.ssl_ciphers,
-            h11_max_incomplete_event_size=vllm_args.h11_max_incomplete_event_size,
-            h11_max_header_count=vllm_args.h11_max_header_count,
-        )
-    await shutdown  # after the engine stopped, as vLLM's own server does
-    sock.close()
-
-
-def parse_vllm_args(argv: list[str]):
-    """Every flag our Args do not take, read by vLLM's own `vllm serve` parser, with this server's defaults."""
-    import torch
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm_sync_server.py"))
-    parser.set_defaults(**VLLM_DEFAULTS)
-    if not torch.cuda.is_available():
-        parser.set_defaults(**CPU_ENGINE_FLAGS)  # CPU ONLY
-    vllm_args = parser.parse_args(argv)
-    if vllm_args.enable_sleep_mode and not torch.cuda.is_available():  # CPU ONLY: vLLM sleeps on GPUs only
-        print("vllm_sync_server: --enable-sleep-mode ignored: vLLM's sleep mode needs a GPU", flush=True)
-        vllm_args.enable_sleep_mode = False
-    if vllm_args.model_tag is not None:  # `vllm_sync_server.py MODEL`, as `vllm serve MODEL`
-        vllm_args.model = vllm_args.model_tag
-    if vllm_args.worker_extension_cls:
-        parser.error("--worker-extension-cls: this server's own (WeightSyncWorker) is the one its workers need")
-    vllm_args.worker_extension_cls = "vllm_sync_server.WeightSyncWorker"  # every worker gets the sync_ methods
-    validate_parsed_serve_args(vllm_args)
-    return vllm_args
-
-
-def main(args: Args, vllm_argv: list[str]) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)  # vLLM's processes import this file by name (the worker extension, the CPU executor)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    vllm_args = parse_vllm_args(vllm_argv)  # the heavy imports wait until here: --help stays fast
-    keyed = vllm_args.api_key or os.environ.get("VLLM_API_KEY")
-    if vllm_args.host not in ("127.0.0.1", "localhost", "::1") and not keyed:
-        print(
-            f"WARNING: binding {vllm_args.host or 'every interface'} without --api-key: anyone who reaches this port "
-            "can replace the model's weights",
-            file=sys.stderr,
-            flush=True,
-        )
-    import uvloop
-
-    uvloop.run(serve(args, vllm_args))
-
-
 # ======================================================================================================================
 # CHECKS. What a request must satisfy before anything touches the engine or a collective starts: a push's metadata
 # against the engine's weights, a staging buffer's fields and files, a checkpoint's files. Each returns why the request
@@ -1480,6 +1373,119 @@ def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_
 
     QuietExecutor.__qualname__ = name  # vLLM pickles it into its engine process by reference: vllm_sync_server.<name>
     return globals().setdefault(name, QuietExecutor)
+
+
+# ======================================================================================================================
+# STARTING THE SERVER. vLLM's own server, built from its public parts as `vllm serve` builds it, with our routes and
+# the key check added; the command line, read by our Args and then by vLLM's own parser.
+# ======================================================================================================================
+
+
+def key_required(app, keys: list[str]):
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`. vLLM's own check guards only its
+    /v1 routes; this one guards ours (which replace weights) and vLLM's others alike, with the same keys."""
+    from starlette.datastructures import Headers
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    vllm_check = AuthenticationMiddleware(app, keys)  # its verify_token: sha256 digests, compared in constant time
+
+    async def guarded(scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        open_route = scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" or path == "/health"
+        if open_route or vllm_check.verify_token(Headers(scope=scope)):
+            await app(scope, receive, send)
+            return
+        error = "this route needs the header 'Authorization: Bearer <api key>'"
+        await JSONResponse({"error": error}, status_code=401)(scope, receive, send)
+
+    return guarded
+
+
+async def serve(args: Args, vllm_args) -> None:
+    """vLLM's own server (`vllm serve`), built from its public parts, with our routes and the key check added."""
+    from uvicorn.config import LOGGING_CONFIG
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    # The port is taken now, before the model loads, as vLLM's own server does: none of vLLM's processes can pick it
+    # meanwhile, and a busy port fails here, at once.
+    listen_address, sock = setup_server(vllm_args, reuse_port=False)
+    async with build_async_engine_client(vllm_args) as engine:
+        state = ServerState()
+        await prepare_sync(args, state, engine, vllm_args.model)
+        tasks = await engine.get_supported_tasks()
+        app = build_app(vllm_args, tasks, engine.model_config)
+        add_routes(app, args, state)
+        keys = [key for key in (vllm_args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
+        if keys:  # outermost: vLLM's bootstrap already built the app's middleware stack, so the check wraps it
+            app.middleware_stack = key_required(app.middleware_stack or app.build_middleware_stack(), keys)
+        await init_app_state(engine, app.state, vllm_args, tasks)
+        print(f"vllm_sync_server: serving {vllm_args.model} on {listen_address}", flush=True)
+        # vLLM's uvicorn runner, with the frontend flags of `vllm serve` (TLS, logging, header limits)
+        shutdown = await serve_http(
+            app,
+            sock=sock,
+            enable_ssl_refresh=vllm_args.enable_ssl_refresh,
+            host=vllm_args.host,
+            port=vllm_args.port,
+            log_level=vllm_args.uvicorn_log_level,
+            log_config=get_uvicorn_log_config(vllm_args) or LOGGING_CONFIG,  # (None would silence uvicorn's logs)
+            access_log=not vllm_args.disable_uvicorn_access_log,
+            ssl_keyfile=vllm_args.ssl_keyfile,
+            ssl_certfile=vllm_args.ssl_certfile,
+            ssl_ca_certs=vllm_args.ssl_ca_certs,
+            ssl_cert_reqs=vllm_args.ssl_cert_reqs,
+            ssl_ciphers=vllm_args.ssl_ciphers,
+            h11_max_incomplete_event_size=vllm_args.h11_max_incomplete_event_size,
+            h11_max_header_count=vllm_args.h11_max_header_count,
+        )
+    await shutdown  # after the engine stopped, as vLLM's own server does
+    sock.close()
+
+
+def parse_vllm_args(argv: list[str]):
+    """Every flag our Args do not take, read by vLLM's own `vllm serve` parser, with this server's defaults."""
+    import torch
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm_sync_server.py"))
+    parser.set_defaults(**VLLM_DEFAULTS)
+    if not torch.cuda.is_available():
+        parser.set_defaults(**CPU_ENGINE_FLAGS)  # CPU ONLY
+    vllm_args = parser.parse_args(argv)
+    if vllm_args.enable_sleep_mode and not torch.cuda.is_available():  # CPU ONLY: vLLM sleeps on GPUs only
+        print("vllm_sync_server: --enable-sleep-mode ignored: vLLM's sleep mode needs a GPU", flush=True)
+        vllm_args.enable_sleep_mode = False
+    if vllm_args.model_tag is not None:  # `vllm_sync_server.py MODEL`, as `vllm serve MODEL`
+        vllm_args.model = vllm_args.model_tag
+    if vllm_args.worker_extension_cls:
+        parser.error("--worker-extension-cls: this server's own (WeightSyncWorker) is the one its workers need")
+    vllm_args.worker_extension_cls = "vllm_sync_server.WeightSyncWorker"  # every worker gets the sync_ methods
+    validate_parsed_serve_args(vllm_args)
+    return vllm_args
+
+
+def main(args: Args, vllm_argv: list[str]) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)  # vLLM's processes import this file by name (the worker extension, the CPU executor)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    vllm_args = parse_vllm_args(vllm_argv)  # the heavy imports wait until here: --help stays fast
+    keyed = vllm_args.api_key or os.environ.get("VLLM_API_KEY")
+    if vllm_args.host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        print(
+            f"WARNING: binding {vllm_args.host or 'every interface'} without --api-key: anyone who reaches this port "
+            "can replace the model's weights",
+            file=sys.stderr,
+            flush=True,
+        )
+    import uvloop
+
+    uvloop.run(serve(args, vllm_args))
 
 
 if __name__ == "__main__":
