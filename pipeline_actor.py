@@ -431,6 +431,18 @@ def chat_messages(system_prompt: str, question: str) -> list[dict]:
     return msgs + [{"role": "user", "content": question}]
 
 
+def backpressure(versions_pushed: int, queue_len: int, submitted_records: int, args: Args) -> Optional[str]:
+    """Why the actor may not submit another group now, or None: the queue is over --max-queue, or the group would put
+    the actor more than --max-lag versions' worth of records ahead of the learner, which has pushed `versions_pushed`
+    versions since the actor started (the rule: see the docstring)."""
+    if queue_len > args.max_queue:
+        return f"the queue holds more than --max-queue {args.max_queue} records"
+    allowance = (versions_pushed + args.max_lag + 1) * args.records_per_version
+    if submitted_records + args.group_size > allowance:
+        return f"{args.max_lag + 1} versions of data ahead of the learner: waiting for a push"
+    return None
+
+
 def generate_group(url: str, question: str, args: Args) -> dict:
     """One problem's group from the server at `url`: --group-size completions of its chat prompt, each with its token
     ids, the sampler's logprobs and the policy versions that sampled it."""
@@ -534,13 +546,9 @@ if __name__ == "__main__":
             version = server_version(args.vllm_urls)
             queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
             last_poll = time.monotonic()
-        allowance = (version - version0 + args.max_lag + 1) * args.records_per_version
         why = None
         while len(inflight) < args.concurrency and (args.max_steps is None or submitted_groups < args.max_steps):
-            if queue_len > args.max_queue:
-                why = f"the queue holds more than --max-queue {args.max_queue} records"
-            elif submitted_records + args.group_size > allowance:
-                why = f"{args.max_lag + 1} versions of data ahead of the learner: waiting for a push"
+            why = backpressure(version - version0, queue_len, submitted_records, args)
             if why:
                 break
             row = train[order[next_group % len(train)]]
