@@ -386,16 +386,24 @@ async def prepare_sync(args: Args, state: ServerState, engine, model: str) -> No
 
 
 async def join_group(args: Args, state: ServerState, req, ranks: list[int]) -> dict:
-    """The second half of /init_communicator (`req`: its body), while the trainer builds its end of the group."""
+    """The second half of /init_communicator (`req`: its body), while the trainer builds its end of the group: every
+    worker connects to the trainer's store and joins the group, while the trainer joins as rank 0."""
+    fields = req.model_dump(exclude={"transport", "shared"})  # (the shared transport's: see map_shared)
+    communicator = {**fields, "transport": "collective", "ranks": ranks}
+    communicator.pop("rank_offset")
+    # the request's fields are the method's arguments: host, port, world_size, rank_offset, connections
+    return await open_communicator(args, state, communicator, "sync_init_communicator", **fields)
+
+
+async def open_communicator(args: Args, state: ServerState, communicator: dict, method: str, **kwargs) -> dict:
+    """Every worker runs `method` with `kwargs` (it joins the trainer's group, or maps its staging buffer); then
+    `communicator` describes what the trainer may push through. Returns the answer's second line: "ok", or the error,
+    also recorded in last_error (never raised: the answer is streaming)."""
     try:
         async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
-            # every worker connects to the trainer's store and joins the group, while the trainer joins as rank 0
-            # (the request's fields are the method's arguments: host, port, world_size, rank_offset, connections)
-            fields = req.model_dump(exclude={"transport", "shared"})  # (the shared transport's: see map_shared)
-            await collective(args, state, "sync_init_communicator", **fields, timeout_s=args.sync_timeout_s)
-        state.communicator = {**fields, "transport": "collective", "ranks": ranks}
-        state.communicator.pop("rank_offset")
-        return {"status": "ok", **state.communicator}
+            await collective(args, state, method, **kwargs, timeout_s=args.sync_timeout_s)
+        state.communicator = communicator
+        return {"status": "ok", **communicator}
     except Exception as e:
         state.communicator = None
         state.last_error = f"init_communicator: {e}"
@@ -1240,17 +1248,8 @@ async def shared_spec_problem(args: Args, state: ServerState, spec) -> Optional[
 async def map_shared(args: Args, state: ServerState, spec: dict) -> dict:
     """The second half of /init_communicator with transport "shared": the worker maps the trainer's staging buffer
     (checked by shared_spec_problem). The trainer may unlink its files once this answered "ok"."""
-    try:
-        async with state.lock:  # one collective RPC at a time (a running one would hold the workers)
-            await collective(args, state, "sync_map_shared", spec=spec, timeout_s=args.sync_timeout_s)
-        state.communicator = {"transport": "shared", **{k: spec[k] for k in ("device", "dtype", "numel")}}
-        return {"status": "ok", **state.communicator}
-    except Exception as e:
-        state.communicator = None
-        state.last_error = f"init_communicator: {e}"
-        return {"status": "error", "error": state.last_error}
-    finally:
-        state.tasks -= 1
+    communicator = {"transport": "shared", **{k: spec[k] for k in ("device", "dtype", "numel")}}
+    return await open_communicator(args, state, communicator, "sync_map_shared", spec=spec)
 
 
 async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
