@@ -1,4 +1,4 @@
-"""Benchmark: the grading pool, pebble's (the scripts' grade_batch) against the hand-written pool it replaced.
+"""Benchmark: the grading pool, pebble's (the scripts' grade_batch) against a hand-written pool with warm spares.
 
 Both pools grade the same batches in one run, one after the other, each in its own warm processes (so no pool profits
 from the other's sympy cache); this machine has 2 cores: the hand-written pool gets 2 workers plus its 2 warm spares,
@@ -127,7 +127,7 @@ def stop_pebble(workers: int) -> None:
 
 NEW_WORKERS = inspect.signature(G.grade_batch).parameters["workers"].default  # the scripts' pool
 POOLS = {  # name -> (grade_batch, stop); --pebble-workers K adds pebble's pool with K workers
-    "hand-written (old)": (old_grade_batch, old_stop),
+    "hand-written (spares)": (old_grade_batch, old_stop),
     "pebble (new)": (G.grade_batch, functools.partial(stop_pebble, NEW_WORKERS)),
 }
 
