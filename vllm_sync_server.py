@@ -593,37 +593,21 @@ def add_generate_route(app, state: ServerState) -> None:
 
 def generate_prompts(state: ServerState, req) -> list[list[int]]:
     """The token ids of a /generate request's prompts (chat messages rendered with the model's template), or a 400
-    naming the limit it breaks: one request is one batch of at most max_num_seqs sequences within max_model_len."""
+    naming the limit it breaks (generate_problem and prompt_problem, in the CHECKS part)."""
     from fastapi import HTTPException
 
     if (req.prompts is None) == (req.messages is None):
         raise HTTPException(400, "send exactly one of 'prompts' (token ids) or 'messages'")
-    kind = "prompts" if req.messages is None else "messages"
-    count = len(req.prompts if req.messages is None else req.messages)
-    max_seqs = state.max_num_seqs  # a request: one batch at most
-    if req.n > max_seqs:
-        raise HTTPException(400, f"'n' {req.n} is over this server's max_num_seqs {max_seqs}")
-    if count * req.n > max_seqs:
-        raise HTTPException(
-            400,
-            f"{count} '{kind}' x n {req.n} = {count * req.n} sequences, over this server's "
-            f"max_num_seqs {max_seqs} per request",
-        )
-    if req.lora is not None and req.lora not in state.adapters:
-        raise HTTPException(400, f"no adapter {req.lora!r}: POST /update_adapter first")
+    if (problem := generate_problem(req, state)) is not None:  # before the chat template's work
+        raise HTTPException(400, problem)
     if req.messages is None:
         prompts = req.prompts
     else:
         tok = state.tokenizer
         chats = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in req.messages]
         prompts = [tok.encode(chat, add_special_tokens=False) for chat in chats]
-    for i, ids in enumerate(prompts):
-        if len(ids) + req.max_tokens > state.max_model_len:
-            raise HTTPException(
-                400,
-                f"'max_tokens' {req.max_tokens} + the {len(ids)} tokens of prompt {i} "
-                f"exceed this server's max_model_len {state.max_model_len}",
-            )
+    if (problem := prompt_problem(prompts, req.max_tokens, state.max_model_len)) is not None:
+        raise HTTPException(400, problem)
     return prompts
 
 
@@ -774,8 +758,8 @@ def add_engine_routes(app, args: Args, state: ServerState) -> None:
 
 # ======================================================================================================================
 # CHECKS. What a request must satisfy before anything touches the engine or a collective starts: a push's metadata
-# against the engine's weights, a staging buffer's fields and files, a checkpoint's files. Each returns why the request
-# is refused (naming the parameter or field), or None; the routes above answer 400 with it.
+# against the engine's weights, /generate's limits, a staging buffer's fields and files, a checkpoint's files. Each
+# returns why the request is refused (naming the parameter or field), or None; the routes above answer 400 with it.
 # ======================================================================================================================
 
 
@@ -816,6 +800,36 @@ def spec_problem(p: dict, spec: Optional[dict], seen: set) -> Optional[str]:
         return f"shape {p.get('shape')} != the model's {spec['shape']}"
     if p.get("dtype") != spec["dtype"]:
         return f"dtype {p.get('dtype')} != the engine's {spec['dtype']} (cast on the trainer)"
+    return None
+
+
+def generate_problem(req, state: ServerState) -> Optional[str]:
+    """Why a /generate request must be refused before its prompts are rendered, or None: one request is one batch of
+    at most max_num_seqs sequences, and an adapter it names must be loaded."""
+    kind = "prompts" if req.messages is None else "messages"
+    count = len(req.prompts if req.messages is None else req.messages)
+    max_seqs = state.max_num_seqs  # a request: one batch at most
+    if req.n > max_seqs:
+        return f"'n' {req.n} is over this server's max_num_seqs {max_seqs}"
+    if count * req.n > max_seqs:
+        return (
+            f"{count} '{kind}' x n {req.n} = {count * req.n} sequences, over this server's "
+            f"max_num_seqs {max_seqs} per request"
+        )
+    if req.lora is not None and req.lora not in state.adapters:
+        return f"no adapter {req.lora!r}: POST /update_adapter first"
+    return None
+
+
+def prompt_problem(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> Optional[str]:
+    """Why a /generate request's rendered `prompts` must be refused, or None: each prompt and its `max_tokens`
+    within max_model_len."""
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > max_model_len:
+            return (
+                f"'max_tokens' {max_tokens} + the {len(ids)} tokens of prompt {i} "
+                f"exceed this server's max_model_len {max_model_len}"
+            )
     return None
 
 
