@@ -26,6 +26,7 @@ The protocol, in the order a trainer calls it:
      names a staging buffer of the trainer's (CUDA IPC fields, or a /dev/shm file) that the worker maps; each push's
      params add offset and round, and the trainer writes the tensors into the buffer instead of broadcasting them.
      POST /sleep {level} and /wake_up {tags?} free vLLM's GPU memory while the trainer updates (--enable-sleep-mode).
+     After a level-2 /sleep (weights dropped) nothing samples (409) until pushes or a checkpoint rewrote every weight.
   4. Any time: POST /generate (token ids or chat messages; each completion says which versions sampled it), vLLM's
      /v1 routes (they sample with the newest weights too), GET /runtime_version (version, updating, communicator,
      last_error, generating), GET /weights_checksum (sha256 per Hugging Face name, to compare with the trainer's own),
@@ -75,7 +76,7 @@ VLLM_DEFAULTS = {
 
 @dataclass
 class ServerState:
-    """What our routes share. The first nine fields change as the server runs; the rest are set once, at start."""
+    """What our routes share. The first ten fields change as the server runs; the rest are set once, at start."""
 
     version: int = 0  # the policy version the engine computes with: 0, then +1 per push or the version sent
     communicator: Optional[dict] = None  # the group the workers joined; None before /init_communicator, after an error
@@ -86,6 +87,7 @@ class ServerState:
     held: bool = False  # /pause holds generation until /resume (a weight update meanwhile leaves it held)
     asleep: list = field(default_factory=list)  # what vLLM released in /sleep: "weights", "kv_cache" ([]: awake)
     sleep_level: int = 0  # the last /sleep's level
+    stale: set = field(default_factory=set)  # weights a level-2 /sleep dropped and no update has brought back since
     engine: Any = None  # vLLM's AsyncLLM, shared with vLLM's own routes
     tokenizer: Any = None  # applies the chat template to /generate's messages
     model: str = ""  # the model's path or id (--model)
@@ -463,13 +465,14 @@ async def advance_version(state: ServerState, version: Optional[int]) -> None:
     await state.engine.update_weight_version(str(state.version))
 
 
-async def update_weights(args: Args, state: ServerState, method: str, version: Optional[int], **kwargs) -> dict:
-    """One weight update on every worker (`method`: a push's receive, or a checkpoint's read; `kwargs` its arguments),
-    with the engine held and the version advanced after it. Returns the report; raises what the workers raised."""
+async def update_weights(args: Args, state: ServerState, method: str, version: Optional[int], names, **kwargs) -> dict:
+    """One update of the weights `names` on every worker (`method`: a push's receive, or a checkpoint's read; `kwargs`
+    its arguments), the engine held, the version advanced after. Returns the report; raises what the workers raised."""
     t0 = time.perf_counter()
     async with state.lock, engine_held(state) as paused:  # one collective RPC at a time
         num_params, direct = await collective(args, state, method, direct=args.direct_load, **kwargs)
         await advance_version(state, version)
+        state.stale -= set(names)  # back, of those a level-2 /sleep dropped (only once the whole update succeeded)
     return {
         "status": "ok",
         "version": state.version,
@@ -485,7 +488,8 @@ async def receive_push(args: Args, state: ServerState, params: list[dict], versi
     communicator (the worker already dropped its end) and is reported, not raised."""
     try:
         # every worker receives each tensor from rank 0, which broadcasts once it has read line 1
-        return await update_weights(args, state, "sync_update", version, params=params)
+        names = [p["name"] for p in params]
+        return await update_weights(args, state, "sync_update", version, names=names, params=params)
     except Exception as e:
         state.communicator = None
         state.last_error = f"update_param_batch: {e}"
@@ -518,6 +522,8 @@ def add_routes(app, args: Args, state: ServerState) -> None:
     add_checkpoint_route(app, args, state)  # /load_checkpoint: in the CHECKPOINT FILES part below
     add_engine_routes(app, args, state)
     add_one_gpu_routes(app, args, state)  # /sleep, /wake_up, /update_adapter: in the ONE GPU AND LORA part below
+    # after a level-2 /sleep, no route may sample (ours or vLLM's) until every weight is back: refuse_stale, below
+    app.middleware_stack = refuse_stale(app.middleware_stack or app.build_middleware_stack(), state)
 
 
 def add_status_routes(app, args: Args, state: ServerState) -> None:
@@ -534,6 +540,7 @@ def add_status_routes(app, args: Args, state: ServerState) -> None:
             "generating": state.generating,
             "held": state.held,  # generation held by /pause
             "asleep": state.asleep,  # what vLLM released in /sleep ([]: awake)
+            "stale_weights": len(state.stale),  # dropped by a level-2 /sleep, not pushed since: sampling answers 409
             "model": state.model,
             "dtype": state.dtype,  # what /update_param_batch expects on the wire
             "sync_timeout_s": args.sync_timeout_s,
@@ -833,6 +840,37 @@ def prompt_problem(prompts: list[list[int]], max_tokens: int, max_model_len: int
     return None
 
 
+SLEEP_TAGS = ["weights", "kv_cache"]  # what vLLM's sleep releases (vllm/v1/executor/abstract.py, SLEEP_TAGS)
+
+
+def tags_to_wake(asleep: list, tags: Optional[list[str]]) -> list[str]:
+    """The tags /wake_up sends vLLM: those of `tags` (None: all) that still sleep, or a ValueError naming the allowed
+    ones. Never one that is awake: vLLM's executor would then wake nothing at all, silently (wake_up in
+    vllm/v1/executor/abstract.py), and the server would count as awake a KV cache left unmapped (scheduler paused)."""
+    if tags is not None and not set(tags) <= set(SLEEP_TAGS):
+        raise ValueError(f"'tags' {tags}: a subset of {SLEEP_TAGS} (none: both)")
+    return [tag for tag in asleep if tags is None or tag in tags]
+
+
+def asleep_after_wake(asleep: list, sent: list[str], fully_awake: bool) -> list[str]:
+    """What sleeps after vLLM's wake_up(`sent`) answered `fully_awake` (all its memory back: vllm/v1/engine/core.py,
+    wake_up). Else the tags not sent, as vLLM wakes all the tags sent or none."""
+    if fully_awake:
+        return []
+    return [tag for tag in asleep if tag not in sent] or list(sent)  # (none left: vLLM disagrees, so none woke)
+
+
+def stale_problem(stale: set) -> Optional[str]:
+    """Why a request that samples or resumes the engine must answer 409 now, or None. `stale`: the weights a level-2
+    /sleep dropped that no update has brought back (vLLM maps uninitialised memory for them at /wake_up)."""
+    if not stale:
+        return None
+    return (
+        f"a level-2 /sleep dropped the weights and {len(stale)} of them (such as {min(stale)!r}) are not back yet: "
+        "push every weight (/update_param_batch) or load a whole checkpoint (/load_checkpoint) first"
+    )
+
+
 SHM_DIR = "/dev/shm"  # the shared transport's files on CPU (and its control words on GPU): memory, never a disk
 
 
@@ -1052,14 +1090,16 @@ async def load_checkpoint(args: Args, state: ServerState, path: str, version: Op
     outside --checkpoint-root, no such file, a tensor whose name, shape or dtype the engine does not take. Then returns
     the report; a failure while loading is reported, not raised."""
     files = checkpoint_files(path, args.checkpoint_root)
-    problem = check_push(checkpoint_params(files), state.specs, state.packed)  # a push's own check, on the headers
+    params = checkpoint_params(files)
+    problem = check_push(params, state.specs, state.packed)  # a push's own check, on the headers
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
     state.updating = True  # (no await since the route saw it false: no other update can start in between)
     state.tasks += 1
     try:
         # every worker reads the files into its model, on the load path a push would take
-        return await update_weights(args, state, "sync_load_checkpoint", version, files=files)
+        names = [p["name"] for p in params]
+        return await update_weights(args, state, "sync_load_checkpoint", version, names=names, files=files)
     except Exception as e:
         state.last_error = f"load_checkpoint: {e}"
         return {"status": "error", "error": state.last_error}
@@ -1272,12 +1312,16 @@ async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
     /generate calls get a 409 from now until /wake_up; requests in flight finish first (vLLM's mode "wait")."""
     from fastapi import HTTPException
 
-    if not state.engine.vllm_config.model_config.enable_sleep_mode:
+    model_config = state.engine.vllm_config.model_config
+    if not model_config.enable_sleep_mode:
         raise HTTPException(400, "sleep mode is off: start the server with --enable-sleep-mode (GPU only)")
     if level not in (1, 2):
         raise HTTPException(400, f"'level' {level}: 1 (weights to CPU memory) or 2 (weights dropped)")
     async with state.lock:  # never during a weight update
-        state.asleep = ["weights", "kv_cache"]  # (before the await: /generate refuses from here on)
+        state.asleep = list(SLEEP_TAGS)  # (before the await: /generate refuses from here on)
+        if level == 2:  # every weight must come back before anything samples (refuse_stale); a tied lm_head is the
+            tied = model_config.hf_text_config.tie_word_embeddings  # embedding's tensor (sync_prepare): back with it
+            state.stale = {name for name in state.specs if not (tied and name == "lm_head.weight")}
         await state.engine.sleep(level, mode="wait")
         state.sleep_level = level
     return {"status": "ok", "level": level, "asleep": state.asleep}
@@ -1285,16 +1329,40 @@ async def sleep_engine(args: Args, state: ServerState, level: int) -> dict:
 
 async def wake_engine(args: Args, state: ServerState, tags: Optional[list[str]]) -> dict:
     """/wake_up: vLLM takes its memory back, all of it or only `tags` ("weights" first, push, then "kv_cache": the
-    trainer's push never meets a KV cache on the GPU). /generate answers again once nothing sleeps."""
+    trainer's push never meets a KV cache on the GPU). /generate answers again once nothing sleeps (and, after a
+    level-2 sleep, once every weight is back). vLLM gets only the tags that still sleep (tags_to_wake)."""
     from fastapi import HTTPException
 
-    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
-        raise HTTPException(400, f"'tags' {tags}: a subset of ['weights', 'kv_cache'] (none: both)")
     async with state.lock:
-        if state.asleep:
-            await state.engine.wake_up(tags)
-        state.asleep = [t for t in state.asleep if tags is not None and t not in tags]
-    return {"status": "ok", "asleep": state.asleep}
+        try:
+            sent = tags_to_wake(state.asleep, tags)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+        if sent:  # (none: nothing to wake, and vLLM would only log a warning)
+            fully_awake = await state.engine.wake_up(sent)
+            state.asleep = asleep_after_wake(state.asleep, sent, fully_awake)
+            if fully_awake:  # vLLM resumed its scheduler (core.py, wake_up): that ends a /pause's hold too
+                state.held = False
+    return {"status": "ok", "woken": sent, "asleep": state.asleep}
+
+
+def refuse_stale(app, state: ServerState):
+    """ASGI middleware: while weights a level-2 /sleep dropped are not all back (stale_problem), every POST but those
+    that bring weights back or release and take back memory answers 409: /generate, /resume, and the routes of vLLM's
+    that sample (/v1/completions, /v1/chat/completions, /v1/responses, /invocations, ...), unseen by our routes."""
+    from starlette.responses import JSONResponse
+
+    allowed = ("/update_param_batch", "/load_checkpoint", "/init_communicator", "/close_communicator", "/sleep")
+    allowed += ("/wake_up", "/pause", "/reset_prefix_cache")
+
+    async def guarded(scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and scope.get("method") == "POST" and path not in allowed and state.stale:
+            await JSONResponse({"detail": stale_problem(state.stale)}, status_code=409)(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 async def load_adapter(state: ServerState, models, name: str, path: str, version: Optional[int]) -> dict:
