@@ -136,6 +136,74 @@ def test_merged_push_server_logprobs_equal_the_peft_models(toy):
         peft_model.base_model.enable_adapter_layers()
 
 
+def bf16_lora_model(seed: int = 0):
+    """A small Qwen2 built here in bf16 (the dtype a LoRA run's base travels in) with the script's rank-8 adapters on
+    every linear layer: fp32 adapters (peft's), B random, so (alpha / r) B A moves most weights by a bf16 step or more
+    (|W| ~ 0.02, a step there ~1e-4)."""
+    import tyro
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    peft_model = G.add_lora(model, tyro.cli(G.Args, args=list(LORA)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, peft_model
+
+
+def merged_once(model) -> dict:
+    """The weights a merged push must send, computed here apart from peft: each adapted W + (alpha / r) B A in fp32,
+    rounded once to W's dtype; every other weight as it is."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    scale = float(LORA[3]) / float(LORA[1])
+    out = {}
+    for name, w in G.base_named(params.items()):
+        layer = name.removesuffix(".weight")
+        a, b = params.get(f"{layer}.lora_A.default.weight"), params.get(f"{layer}.lora_B.default.weight")
+        out[name] = w.clone() if a is None else (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
+
+
+def test_merging_leaves_a_bf16_base_bit_identical(tmp_path):
+    """peft merges in place and unmerges by subtracting again: in bf16 the two roundings do not give W back, so each
+    merged push or checkpoint save would move the frozen base by a step wherever B A moves it by half a step, and
+    --verify-sync could not see it (both ends move together). 20 merges (as the pushes enter them) and 2 saves leave
+    every base weight bit-identical; within, the weights a push reads are W + (alpha / r) B A rounded once, and so
+    are those a save writes."""
+    model, peft_model = bf16_lora_model()
+    base = {n: t.clone() for n, t in G.base_named(model.named_parameters())}
+    want = merged_once(model)
+    assert all(t.dtype == torch.bfloat16 for t in base.values())
+    assert sum(not torch.equal(want[n], base[n]) for n in base) == 2 * 7  # the control: every adapted weight moves
+
+    def moved() -> int:  # base elements not bit-identical to those before
+        return sum((t != base[n]).sum().item() for n, t in G.base_named(model.named_parameters()))
+
+    for push in range(1, 21):
+        with G.lora_merged(peft_model):
+            pushed = dict(G.base_named(model.named_parameters()))
+            off = sum((pushed[n] != want[n]).sum().item() for n in want)
+            assert off == 0, f"push {push}: {off} merged elements are not W + (alpha / r) B A rounded once"
+        assert moved() == 0, f"after push {push}: {moved()} base elements moved"
+    for _ in range(2):
+        G.save_merged(peft_model, model, str(tmp_path / "merged"))
+    saved = load_weights(tmp_path / "merged")
+    assert saved.keys() == want.keys()
+    assert all(torch.equal(saved[n], want[n]) for n in saved)
+    assert moved() == 0, f"after 2 saves: {moved()} base elements moved"
+
+
 class Run(NamedTuple):
     workdir: Path
     stdout: str
