@@ -15,6 +15,10 @@ The CPU tests run everything else; these checks run the scripts' own GPU code (i
   sleep_memory       grpo_gsm8k_lora_one_gpu's sleep_vllm / wake_vllm against torch.cuda.mem_get_info, with a
                      stand-in server in another process that frees and takes back GPU memory as vLLM's /sleep and
                      /wake_up do; then a wake-up the GPU has no room for, refused with the flags to lower
+  lora_merge_bf16    grpo_gsm8k_lora_one_gpu.lora_merged (a merged push's merge and restore) 20 times on a bf16
+                     Qwen2.5-0.5B-shaped model with the script's rank-16 adapters on q/k/v/o/gate/up/down, B random:
+                     the base bit-identical after each, the merged weights against W + (alpha / r) B A computed here
+                     (max |diff|), seconds a merge, GPU peak; peft's own unmerge once as the control (elements moved)
 Each check runs in a process of its own, within --timeout-s; a failing or hanging one is reported and the rest run.
 One table at the end. Exit status: 0 if every check passed, 1 if one did not, 2 without a CUDA GPU.
   python bench/gpu_check.py                      # all checks
@@ -341,12 +345,85 @@ def check_sleep_memory() -> str:
     )
 
 
+def check_lora_merge_bf16() -> str:
+    """grpo_gsm8k_lora_one_gpu.lora_merged, entered and left as a merged push does, 20 times on a bf16 model with the
+    script's rank-16 adapters (add_lora) on q/k/v/o/gate/up/down, B random: within, the weights a push reads against
+    W + (alpha / r) B A computed here in fp32 and rounded once; after, the base bit for bit. peft's own merge and
+    unmerge, once, is the control (the drift the script's copy prevents)."""
+    import functools
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    on_path()
+    from grpo_gsm8k_lora_one_gpu import Args, add_lora, base_named, lora_merged
+
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    with torch.device(device):  # random weights, made on the GPU (fast)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16)
+    args = Args(lora_rank=16, lora_alpha=32.0)
+    peft_model = add_lora(model, args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # (a fresh B is 0): updates of about a third of |W|
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    before = {n: t.clone() for n, t in base_named(params.items())}
+    lora = {
+        n: (params[f"{n[:-7]}.lora_A.default.weight"], params[f"{n[:-7]}.lora_B.default.weight"])
+        for n in before
+        if f"{n[:-7]}.lora_A.default.weight" in params
+    }  # n[:-7]: the layer (".weight" off)
+    scale = args.lora_alpha / args.lora_rank
+
+    def moved() -> int:  # base elements not bit-identical to those before
+        return sum((t != before[n]).sum().item() for n, t in base_named(model.named_parameters()))
+
+    def timed(step) -> tuple[float, float]:  # seconds and GPU peak (MiB over before) of an entry or an exit
+        torch.cuda.synchronize()
+        base_bytes = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, (torch.cuda.max_memory_allocated(device) - base_bytes) / 2**20
+
+    worst, off, seconds, peak = 0.0, 0, 0.0, 0.0
+    for push in range(1, 21):
+        merged = lora_merged(peft_model)  # entered and left by hand: each timed apart from the comparison between
+        enter_s, enter_mib = timed(merged.__enter__)
+        pushed = dict(base_named(model.named_parameters()))
+        with torch.no_grad():
+            for n, (a, b) in lora.items():
+                want = (before[n].float() + scale * (b.float() @ a.float())).to(before[n].dtype)
+                worst = max(worst, (pushed[n].float() - want.float()).abs().max().item())
+                off += (pushed[n] != want).sum().item()
+        exit_s, exit_mib = timed(functools.partial(merged.__exit__, None, None, None))
+        seconds, peak = seconds + enter_s + exit_s, max(peak, enter_mib, exit_mib)
+        if moved():
+            raise AssertionError(f"after merge {push}: {moved()} base elements moved")
+    if off:
+        raise AssertionError(f"{off} merged elements are not W + (alpha / r) B A rounded once (max |diff| {worst})")
+    with torch.no_grad():  # the control: peft alone
+        peft_model.merge_adapter()
+        peft_model.unmerge_adapter()
+    drift = moved()
+    adapted = sum(before[n].numel() for n in lora)
+    return (
+        f"20 merges: base bit-identical ({adapted:,} adapted elements); merged vs W + (a/r) B A: max |diff| "
+        f"{worst:.1e}; {seconds / 20:.3f} s a merge and restore, GPU peak +{peak:.0f} MiB; "
+        f"control, peft's unmerge once: {drift:,} elements moved"
+    )
+
+
 CHECKS = {
     "bf16_step": check_bf16_step,
     "logprobs_vocab": check_logprobs_vocab,
     "shared_transport": check_shared_transport,
     "fsdp2_nccl": check_fsdp2_nccl,
     "sleep_memory": check_sleep_memory,
+    "lora_merge_bf16": check_lora_merge_bf16,
 }
 
 
