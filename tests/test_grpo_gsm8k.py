@@ -371,7 +371,14 @@ class RunB(NamedTuple):
 
 @pytest.fixture(scope="module")
 def run_b(toy, run_a) -> RunB:
-    """Run B: run A resumed in its own directory for one more step (3 in all), as A ran."""
+    """Run B: run A resumed in its own directory for one more step (3 in all), as A ran. Before it, two saves cut
+    short lie beside A's checkpoints, as a kill during a save (or an older version's) leaves them: a step_3 with half
+    its model file and no trainer state, and a step_4.tmp."""
+    cut = run_a.workdir / "ckpt" / "step_3"
+    cut.mkdir()
+    model_file = (run_a.workdir / "ckpt" / "step_2" / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(model_file[: len(model_file) // 2])
+    (run_a.workdir / "ckpt" / "step_4.tmp").mkdir()
     out, m = run_script(
         toy.url,
         run_a.workdir,
@@ -432,6 +439,54 @@ def test_resume_continues_at_the_saved_step(run_b):
     samples, steps and the resume, drew its own random stream."""
     assert "resumed from ckpt/step_2 at step 2" in run_b.stdout and [x["version"] for x in run_b.metrics] == ["3"]
     assert len(run_b.seeds) == 3 * 64 and len(set(run_b.seeds)) == len(run_b.seeds)
+
+
+def test_resume_skips_saves_cut_short_and_saves_over_them(run_b):
+    """Run B names the incomplete step_3 and the leftover step_4.tmp in one line each, resumes from step_2, the
+    newest complete checkpoint, and its own save of step 3 replaces the one cut short (test_resume_equals_an_
+    uninterrupted_run compares its weights). The leftover stays, ignored."""
+    assert "skipped ckpt/step_3: cut short while it was saved (no trainer_state.pt)" in run_b.stdout
+    assert "skipped ckpt/step_4.tmp: cut short while it was saved" in run_b.stdout
+    assert "resumed from ckpt/step_2 at step 2" in run_b.stdout
+    assert (run_b.workdir / "ckpt" / "step_3" / "trainer_state.pt").is_file()
+    assert not (run_b.workdir / "ckpt" / "step_3.tmp").exists() and (run_b.workdir / "ckpt" / "step_4.tmp").is_dir()
+
+
+def test_sigterm_saves_the_last_step_and_resume_equals_an_uninterrupted_run(toy, tmp_path):
+    """SIGTERM at step 3 (a preemption) with --save-every 100: the step in progress finishes, is saved, and the run
+    ends with 128 + SIGTERM within 60 s. --resume then goes on to step 6 with the prompts, the seeds and the weights of
+    a run that was never stopped."""
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    stopped.mkdir()
+    cmd = script_cmd(toy.url, "--train-steps", "6", "--save-every", "100", *HOT, model=toy.model)
+    proc = subprocess.Popen(cmd, cwd=stopped, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []
+        for line in proc.stdout:  # the run's lines, until step 3 is logged
+            said.append(line)
+            if line.startswith("step 3: "):
+                break
+        os.kill(proc.pid, signal.SIGTERM)
+        t0 = time.time()
+        said += proc.stdout.readlines()
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t0 < 60 and code == 128 + signal.SIGTERM, "".join(said)[-3000:]
+    last = int(re.search(r"stopped by SIGTERM after step (\d+): --resume goes on from there", "".join(said))[1])
+    assert 3 <= last < 6 and (stopped / "ckpt" / f"step_{last}" / "trainer_state.pt").is_file()
+    assert G.checkpoint_steps(str(stopped / "ckpt")) == [last]
+    resumed, _ = run_script(
+        toy.url, stopped, "--train-steps", "6", "--save-every", "100", "--resume", *HOT, model=toy.model
+    )
+    assert f"resumed from ckpt/step_{last} at step {last}" in resumed
+    run_script(toy.url, straight, "--train-steps", "6", "--save-every", "100", *HOT, model=toy.model)
+    samples = [
+        [(r["step"], r["question"], r["seed"]) for r in read_jsonl(d / "gsm8k_train_rollouts.jsonl")]
+        for d in (stopped, straight)
+    ]
+    assert samples[0] == samples[1] and len(samples[0]) == 6 * 64
+    assert max_abs_diff(load_weights(stopped / "ckpt" / "step_6"), load_weights(straight / "ckpt" / "step_6")) < 1e-6
 
 
 def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
