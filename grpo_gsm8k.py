@@ -1611,8 +1611,9 @@ if __name__ == "__main__":
             sync_s = push(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
-        if not bad:  # the weights moved: the server holds them only if this step pushed them
-            current = step % args.sync_every_steps == 0
+        # the server holds the trainer's weights only if this step pushed them (a skipped step may have moved them too:
+        # with --num-iterations above 1, by the updates before the bad one)
+        current = not bad and step % args.sync_every_steps == 0
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         total_tokens += new_tokens

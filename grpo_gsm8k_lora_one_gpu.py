@@ -696,6 +696,7 @@ def warm_up_grader() -> None:
     # pebble ends a worker past the backstop with SIGTERM, and 3 s later SIGKILL; its own SIGTERM handler is Python,
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
     # imports sympy and builds math-verify's parsers (~1 s of CPU)
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")
 
@@ -1433,7 +1434,7 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     def stop_server_on_signal(signum, frame) -> None:
         """SIGTERM (kill, timeout, a cluster's preemption) and SIGINT (Ctrl-C) reach this process alone (the server
         has its own session), and Python runs no atexit handler on SIGTERM (a KeyboardInterrupt's may wait for
-        threads first): stop the server now, then end as the signal would."""
+        threads first): stop the server now, then end as the signal would. (In the loop, SIGTERM is request_stop's.)"""
         stop_server()
         raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
 
@@ -1450,6 +1451,23 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
         except requests.RequestException:
             time.sleep(0.5)
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+
+
+# Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,
+# torchrun forwarding its own); SLURM's --signal sends SIGUSR1 ahead of time. Either asks the loop to stop at the end
+# of the step in progress: it saves that step and exits with 128 + the signal, and --resume goes on from there.
+STOP_REQUESTS: list[int] = []  # the stop signals received, in order
+
+
+def request_stop(signum, frame) -> None:
+    """Handler of SIGTERM and SIGUSR1: the loop sees STOP_REQUESTS after the step in progress. A second signal ends
+    the run at once, as Ctrl-C does. (os.write: a print here could cut into a print the signal interrupted.)"""
+    STOP_REQUESTS.append(signum)
+    if len(STOP_REQUESTS) > 1:
+        signal.raise_signal(signal.SIGINT)
+        return
+    message = f"{signal.Signals(signum).name}: the step in progress finishes and is saved, then the run stops\n"
+    os.write(sys.stderr.fileno(), message.encode())
 
 
 # One GPU for both: vLLM sleeps while this trainer updates, and must find its memory free when it wakes
@@ -1514,6 +1532,9 @@ def init_adamw_state(optimizer) -> None:
 
 
 # Logging, evaluation and the run's files: its checkpoints, the arguments saved with them, its rollout log
+TRAINER_STATE = "trainer_state.pt"  # a checkpoint's last file: a step_N folder without it is incomplete
+
+
 def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
     """The step's metrics, to each of `loggers`: one printed line, a rich table, W&B (wandb.init ran in main)."""
     text = {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
@@ -1624,22 +1645,25 @@ def save_checkpoint(path: str, model, lora, tokenizer, optimizer, counters: dict
     """A checkpoint at `path`: the model in Hugging Face format (vLLM and transformers load it), the tokenizer, the
     run's arguments (--resume and eval.py read them) and trainer_state.pt (the optimizer, `counters`, the random
     generators' states). LoRA: the adapter in peft's format (resume loads it) and, in merged/, the merged policy with
-    its own tokenizer and arguments (eval.py, given the checkpoint, evaluates merged/)."""
+    its own tokenizer and arguments (eval.py, given the checkpoint, evaluates merged/). Written whole in `path`.tmp,
+    then published under `path` at once (publish_checkpoint)."""
     import random
 
     import numpy as np
     import torch
 
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # a save of this step cut short before
     if lora is None:
-        model.save_pretrained(path)
+        model.save_pretrained(tmp)
     else:
-        lora.save_pretrained(path)
-        save_merged(lora, model, os.path.join(path, "merged"))
-        tokenizer.save_pretrained(os.path.join(path, "merged"))
-        with open(os.path.join(path, "merged", "args.json"), "w") as f:
+        lora.save_pretrained(tmp)
+        save_merged(lora, model, os.path.join(tmp, "merged"))
+        tokenizer.save_pretrained(os.path.join(tmp, "merged"))
+        with open(os.path.join(tmp, "merged", "args.json"), "w") as f:
             json.dump(run_args, f, indent=1)
-    tokenizer.save_pretrained(path)
-    with open(os.path.join(path, "args.json"), "w") as f:
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "args.json"), "w") as f:
         json.dump(run_args, f, indent=1)
     state = {
         "optimizer": optimizer.state_dict(),
@@ -1648,7 +1672,26 @@ def save_checkpoint(path: str, model, lora, tokenizer, optimizer, counters: dict
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state(),
     }
-    torch.save(state, os.path.join(path, "trainer_state.pt"))
+    torch.save(state, os.path.join(tmp, TRAINER_STATE))
+    publish_checkpoint(tmp, path)
+
+
+def publish_checkpoint(tmp: str, path: str) -> None:
+    """The checkpoint written in the folder `tmp` becomes the checkpoint `path` in one step: every file is flushed to
+    disk (fsync), then one rename, which POSIX makes atomic, then the folder that holds both is flushed too. A kill at
+    any moment (out of memory, a preemption, a node lost) leaves the whole checkpoint or none of it, and a `tmp` that
+    the next save of that step replaces. A `path` already there was cut short by an older save (checkpoint_steps skips
+    it): it goes first."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(fd)  # the rename itself, on disk
+    os.close(fd)
 
 
 def load_trainer_state(path: str, optimizer) -> dict:
@@ -1659,7 +1702,7 @@ def load_trainer_state(path: str, optimizer) -> dict:
     import numpy as np
     import torch
 
-    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)  # any device's
+    state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)  # any device's
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
@@ -1668,11 +1711,19 @@ def load_trainer_state(path: str, optimizer) -> dict:
     return {name: state[name] for name in ("step", "version", "skipped", "data_pos", "order")}
 
 
-def checkpoint_steps(checkpoint_dir: str) -> list[int]:
-    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
+    """The steps N of the complete step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none).
+    publish_checkpoint puts only whole checkpoints there, so anything else was cut short: a step_N.tmp, or a step_N
+    without its trainer state (copied in part, or saved by an older version of this script). It is skipped, and with
+    `say` named in one line."""
+    steps = []
+    for name in sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []:
+        path = os.path.join(checkpoint_dir, name)
+        if re.fullmatch(r"step_\d+", name) and os.path.exists(os.path.join(path, TRAINER_STATE)):
+            steps.append(int(name[5:]))
+        elif say and re.fullmatch(r"step_\d+(\.tmp)?", name):
+            print(f"skipped {path}: cut short while it was saved (no {TRAINER_STATE})", flush=True)
+    return sorted(steps)
 
 
 def saved_args(path: str) -> dict:
@@ -1730,6 +1781,17 @@ def check_args(args: Args) -> None:
             raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
 
 
+def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
+    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
+    server would refuse that prompt's requests steps later."""
+    if longest_prompt + max_completion_tokens > max_model_len:
+        raise SystemExit(
+            f"--max-completion-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
+            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
+            "--max-model-len"
+        )
+
+
 def check_lora_args(args: Args) -> None:
     """The LoRA flags that do not go together, refused before any work."""
     if args.lora_sync == "adapter" and not args.lora_rank:
@@ -1782,13 +1844,60 @@ def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> 
 
 
 def load_split(dataset: str, split: str) -> list[dict]:
-    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row is
+    checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
+    index)."""
     if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
-        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    import datasets
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
 
-    return list(datasets.load_dataset(dataset, "main", split=split))
+        rows = [
+            (f"{dataset} {split}[{i}]", row)
+            for i, row in enumerate(datasets.load_dataset(dataset, "main", split=split))
+        ]
+    for where, row in rows:
+        if problem := row_problem(row, "question", "answer") or gold_problem(row["answer"]):
+            refuse(f"{where}: {problem}")
+    return [row for _, row in rows]
+
+
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
+    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
+    problem not empty."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    for name in (problem_field, gold_field):
+        if name not in row:
+            return f"no '{name}' field"
+        if not isinstance(row[name], str):
+            return f"'{name}' is not a string but {type(row[name]).__name__}"
+    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
+
+
+def gold_problem(answer: str) -> Optional[str]:
+    """What keeps grade from reading a GSM8K gold answer, or None: its final answer (after '####', or the whole field)
+    must be a number, as every GSM8K answer is."""
+    final = re.sub(r"[,\s]", "", answer.split("####")[-1])
+    return None if re.fullmatch(NUM, final) else f"'answer' ends in no number ('#### 42'): {final[:40]!r}"
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def load_problems(args: Args) -> tuple[list[dict], list[dict]]:
@@ -1812,7 +1921,7 @@ if __name__ == "__main__":
     check_args(args)
     check_lora_args(args)
     check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
     if ckpts and ckpts[-1] >= args.train_steps:
         print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
         raise SystemExit(0)
@@ -1881,7 +1990,10 @@ if __name__ == "__main__":
         with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
             push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
     # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
-    served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
+    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    longest = max(len(prompt_ids(tokenizer, args.system_prompt, row["question"])) for row in train + test)
+    check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
+    served_dtype = served["dtype"]
     trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, trainer_dtype])
     transport = "adapter" if adapter is not None else args.sync_transport
@@ -1892,7 +2004,9 @@ if __name__ == "__main__":
     total_tokens = 0
     start_time = time.time()
     progress = start_progress(args.train_steps, step)
-    while step < args.train_steps:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    while step < args.train_steps and not STOP_REQUESTS:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
         rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
@@ -1959,11 +2073,13 @@ if __name__ == "__main__":
         if not bad and step % args.sync_every_steps == 0:
             version += 1
             sync_s = push_policy(url, sync, push, model, lora, adapter, version, args)
-        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the same weights again
+        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the trainer's again, as a
+            version += 1  # new version (they may differ from the last push's: see `current` below)
             with lora_merged(lora):
                 push(sync, model, version)
-        if not bad:  # the weights moved: the server holds them only if this step pushed them
-            current = step % args.sync_every_steps == 0
+        # the server holds the trainer's weights only if this step pushed them (a skipped step may have moved them too:
+        # with --num-iterations above 1, by the updates before the bad one)
+        current = (not bad or sleep_level == 2) and pushes
         if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
             wake_vllm(url, device, asleep_bytes)
         if args.verify_sync and adapter is not None and current and not bad:  # no checksums of an adapter: logprobs
@@ -1992,7 +2108,7 @@ if __name__ == "__main__":
             metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
         log_metrics(metrics, step, loggers)
         show_progress(progress, step, metrics)
-        if step % args.save_every == 0 or step == args.train_steps:
+        if step % args.save_every == 0 or step == args.train_steps or STOP_REQUESTS:
             counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
@@ -2000,3 +2116,6 @@ if __name__ == "__main__":
     if progress is not None:
         progress.stop()
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
+    if STOP_REQUESTS and step < args.train_steps:  # (atexit stops a server this run started)
+        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
+        raise SystemExit(128 + STOP_REQUESTS[0])

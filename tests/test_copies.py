@@ -106,8 +106,9 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
             "start_vllm_server": "one GPU: vLLM's share of it and sleep mode; LoRA: vLLM's LoRA for adapters",
         },
         # the shared transport, sleep mode and LoRA, with the flags and branches they add (573 lines), and room; 11
-        # more for lora_merged's exact restore of the base (peft's unmerge does not give a bf16 base back)
-        611,
+        # more for lora_merged's exact restore of the base (peft's unmerge does not give a bf16 base back); 4 for the
+        # new version of sleep mode's re-push after a skipped step
+        616,
     ),
 }
 
