@@ -80,8 +80,9 @@ class Args:
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """how token losses are averaged (see policy_loss)"""
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
+    """the objective and how token losses are averaged (see policy_loss). gspo clips a ratio per sequence: its paper's
+    range is --clip-eps-low 3e-4 --clip-eps-high 4e-4; cispo: its paper has no lower bound (--clip-eps-low 1)"""
     scale_rewards: bool = True
     """divide advantages by the group's std (off in Dr. GRPO)"""
     clip_eps_low: float = 0.2
@@ -92,6 +93,11 @@ class Args:
     """weight of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
     tis_cap: Optional[float] = None
     """cap of the truncated importance weight pi_old / pi_vllm per token (None: no correction)"""
+    mis_low: Optional[float] = None
+    """masked importance sampling: no gradient for a sequence whose weight pi_old / pi_vllm (over its tokens) is below
+    this (None: no lower bound; with --mis-high also None: off)"""
+    mis_high: Optional[float] = None
+    """masked importance sampling: no gradient for a sequence whose weight is above this (None: no upper bound)"""
     num_iterations: int = 1
     """optimizer passes over each batch (mu in the GRPO paper)"""
     micro_token_budget: int = 16384
@@ -219,39 +225,58 @@ def policy_loss(
     beta=0.0,
     sampling_logprobs=None,
     tis_cap=None,
+    mis_low=None,
+    mis_high=None,
     max_completion_length=None,
     stats=None,
 ):
-    """Clipped GRPO objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
-    per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(logp - logp_old)    (PPO)
+    """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
+    per token, r = exp(logp - logp_old), clip(r) = clamp(r, 1 - eps_low, 1 + eps_high):
+      grpo, dapo, dr_grpo  -min(r * A, clip(r) * A)                      (PPO's clipped objective)
+      gspo                 -min(s * A, clip(s) * A), s = exp(mean over the sequence's tokens of (logp - logp_old)):
+                           one ratio per sequence, the geometric mean of its tokens' (Zheng et al. 2025, GSPO)
+      cispo                -sg(clip(r)) * A * logp: the clipped ratio weighs REINFORCE's term and no token loses its
+                           gradient to the clip (MiniMax-M1 2025, CISPO)
       times w = min(exp(logp_old - logp_vllm), tis_cap) if tis_cap: truncated importance sampling for the
       gap between the sampler (vLLM) and the trainer (Yao et al. 2025, "off-policy RL in disguise")
+      times 0 for a sequence whose exp(sum of (logp_old - logp_vllm)) lies outside [mis_low, mis_high]: masked
+      importance sampling at the sequence level, for the same gap (off when both are None)
       plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
-    aggregation: grpo    mean over sequences of each sequence's token mean (GRPO paper)
-                 dapo    mean over all tokens of the batch (DAPO)
-                 dr_grpo sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
+    aggregation: grpo, gspo    mean over sequences of each sequence's token mean (GRPO paper; gspo: its paper's)
+                 dapo, cispo   mean over all tokens of the batch (DAPO; CISPO)
+                 dr_grpo       sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
     import torch
 
-    ratio, adv = torch.exp(logprobs - old_logprobs), advantages.unsqueeze(1)  # [B, T], [B, 1]
+    mask = mask.to(logprobs.dtype)
+    log_ratio, adv = logprobs - old_logprobs, advantages.unsqueeze(1)  # [B, T], [B, 1]
+    if loss_type == "gspo":  # the sequence's ratio, on every one of its tokens
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1).expand_as(mask)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # [B, T]
     per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    if loss_type == "cispo":  # the clipped ratio as a constant weight of REINFORCE's term
+        per_token = -clipped.detach() * adv * logprobs  # [B, T]
     if tis_cap is not None:
         w = torch.clamp(torch.exp(old_logprobs - sampling_logprobs), max=tis_cap).detach()  # [B, T]
         per_token = per_token * w
+    masked = None  # [B]: the sequences masked importance sampling leaves without a gradient
+    if mis_low is not None or mis_high is not None:
+        seq_w = torch.exp(((old_logprobs - sampling_logprobs) * mask).sum(1))  # [B], pi_old / pi_vllm per sequence
+        masked = (seq_w < (mis_low if mis_low is not None else 0.0)) | (seq_w > (mis_high or float("inf")))  # [B]
+        per_token = per_token * (~masked).to(per_token.dtype).unsqueeze(1)
     if beta:
         d = ref_logprobs - logprobs  # [B, T]
         kl = torch.exp(d) - d - 1  # [B, T], >= 0
         per_token = per_token + beta * kl
-    mask = mask.to(per_token.dtype)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "gspo"):
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
     else:
         raise ValueError(loss_type)
-    if stats is not None:  # sums over tokens, so micro-batches add up
+    if stats is not None:  # sums over tokens (and sequences), so micro-batches add up
         for key, x in [
             ("clipped_tokens", (ratio != clipped).float()),
             ("kl_sum", kl if beta else None),
@@ -259,6 +284,8 @@ def policy_loss(
         ]:
             if x is not None:  # absent, not 0: the caller's fallback applies (no TIS: every weight is 1)
                 stats[key] = stats.get(key, 0.0) + (x.detach() * mask).sum().item()
+        if masked is not None:  # the sequences with a token to train that lost their gradient
+            stats["mis_masked"] = stats.get("mis_masked", 0.0) + (masked & (mask.sum(1) > 0)).sum().item()
     return loss
 
 
@@ -448,12 +475,15 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 beta=args.beta,
                 sampling_logprobs=vllm_lp,
                 tis_cap=args.tis_cap,
+                mis_low=args.mis_low,
+                mis_high=args.mis_high,
                 max_completion_length=args.max_completion_tokens,
                 stats=stats if it == 0 else None,
             )
             # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of the
-            # samples fed, whatever the split (grpo, dr_grpo: a sum over sequences; dapo: over tokens)
-            weight = sum(batch.trained[i] for i in idx) / n_trained if args.loss_type == "dapo" else len(idx) / n_fed
+            # samples fed, whatever the split (grpo, gspo, dr_grpo: a sum over sequences; dapo, cispo: over tokens)
+            per_tokens = args.loss_type in ("dapo", "cispo")
+            weight = sum(batch.trained[i] for i in idx) / n_trained if per_tokens else len(idx) / n_fed
             loss = loss * weight
             if not torch.isfinite(loss).item():
                 bad = True
@@ -497,6 +527,7 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         "logprob_mismatch": stats["mismatch_sum"] / fed if fed else float("nan"),
         "kl": stats.get("kl_sum", 0.0) / trained,
         "tis_weight": stats.get("tis_weight_sum", trained) / trained,
+        "mis_masked_frac": stats.get("mis_masked", 0.0) / max(1, sum(batch.trained[i] > 0 for i in batch.fed)),
         "skipped_steps": counts["skipped_steps"],
         "version": counts["version"],
         **seconds,

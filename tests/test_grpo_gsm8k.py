@@ -1,6 +1,7 @@
 """SCRIPT (GRPO on GSM8K): its math against naive references, and the real script end to end against a real
 vllm_sync_server on CPU (the toy model, GSM8K-schema fixtures). A copy of the script is tested by changing SCRIPT."""
 
+import math
 import os
 import re
 import signal
@@ -139,6 +140,97 @@ def test_clipping_edges_stop_the_gradient():
     stats = {}
     G.policy_loss(lp, old, torch.tensor([1.0]), mask, **clip, stats=stats)
     assert stats["clipped_tokens"] == 2  # 1.5 > 1.3 and 0.5 < 0.8
+
+
+def naive_objective(lp, old, adv, mask, lo, hi, loss_type, samp=None, mis=(None, None)):
+    """The 2025 objectives written out sequence by sequence and token by token, in torch scalars (autograd gives the
+    reference gradient): gspo's ratio per sequence, cispo's detached clipped weight, masked importance sampling."""
+    B, T = lp.shape
+    total, seqs, tokens = 0.0, 0, 0
+    for b in range(B):
+        n = int(sum(mask[b].tolist()))
+        if n == 0:
+            continue
+        seqs += 1
+        if samp is not None:
+            w = math.exp(sum((old[b, t] - samp[b, t]).item() for t in range(n)))
+            if (mis[0] is not None and w < mis[0]) or (mis[1] is not None and w > mis[1]):
+                tokens += n
+                continue  # masked: no gradient, still counted in the averages
+        if loss_type == "gspo":
+            s = torch.exp(sum(lp[b, t] - old[b, t] for t in range(n)) / n)
+            total = total + (-torch.minimum(s * adv[b], torch.clamp(s, 1 - lo, 1 + hi) * adv[b])) / B
+            continue
+        for t in range(n):
+            r = math.exp((lp[b, t] - old[b, t]).item())
+            total = total - min(max(r, 1 - lo), 1 + hi) * adv[b] * lp[b, t]  # cispo: the weight is a number
+            tokens += 1
+    return total / tokens if loss_type == "cispo" else total
+
+
+@pytest.mark.parametrize("mis", [(None, None), (0.5, 2.0)])
+@pytest.mark.parametrize("loss_type", ["gspo", "cispo"])
+def test_2025_objectives_against_naive(loss_type, mis):
+    """gspo and cispo, with and without masked importance sampling: the value and the gradient equal the naive
+    reference's, with ratios far enough from 1 that both clip edges and both mask edges are met."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 5
+    base = -torch.rand(B, T, generator=g) * 3
+    old = base + torch.randn(B, T, generator=g) * 0.3
+    samp = old + torch.randn(B, T, generator=g) * 0.5
+    adv = torch.tensor([1.5, -0.7, 0.3, -2.0, 1.0, -1.0])
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    mask[3, 1:] = 0
+    lo, hi = (0.2, 0.28) if loss_type == "cispo" else (0.05, 0.08)
+    kw = {"sampling_logprobs": samp, "mis_low": mis[0], "mis_high": mis[1]}
+    lp = base.clone().requires_grad_()
+    got = G.policy_loss(lp, old, adv, mask, clip_eps_low=lo, clip_eps_high=hi, loss_type=loss_type, **kw)
+    got.backward()
+    ref_lp = base.clone().requires_grad_()
+    want = naive_objective(ref_lp, old, adv, mask, lo, hi, loss_type, samp if mis[0] else None, mis)
+    want.backward()
+    assert abs(got.item() - want.item()) < 1e-5
+    assert torch.allclose(lp.grad, ref_lp.grad, atol=1e-6), (lp.grad, ref_lp.grad)
+    if mis[0]:
+        seq_w = torch.exp(((old - samp) * mask).sum(1))
+        dropped = (seq_w < mis[0]) | (seq_w > mis[1])
+        assert dropped.any() and not dropped.all()  # the case tests both kinds of sequence
+        assert (lp.grad[dropped] == 0).all() and (lp.grad[~dropped] != 0).any()
+        stats = {}
+        G.policy_loss(lp, old, adv, mask, clip_eps_low=lo, clip_eps_high=hi, loss_type=loss_type, stats=stats, **kw)
+        assert stats["mis_masked"] == dropped.sum().item()
+
+
+def test_gspo_clips_whole_sequences_and_cispo_no_token():
+    """gspo: a sequence whose ratio (the geometric mean of its tokens') is past the clip loses the gradient of all its
+    tokens, even of a token whose own ratio is inside; inside, all its tokens keep it. cispo: every token keeps its
+    gradient, -clip(r) * A / N, whatever its ratio."""
+    old = torch.zeros(2, 2)
+    lp = torch.log(torch.tensor([[1.5, 1.0], [1.05, 1.0]])).requires_grad_()  # sequence ratios 1.22 and 1.02
+    mask = torch.ones(2, 2)
+    clip = {"clip_eps_low": 0.1, "clip_eps_high": 0.1}
+    G.policy_loss(lp, old, torch.tensor([1.0, 1.0]), mask, loss_type="gspo", **clip).backward()
+    assert (lp.grad[0] == 0).all() and (lp.grad[1] != 0).all()
+    lp.grad = None
+    G.policy_loss(lp, old, torch.tensor([1.0, 1.0]), mask, loss_type="cispo", **clip).backward()
+    want = -torch.tensor([[1.1, 1.0], [1.05, 1.0]]) / 4  # -clip(r) * A / N, N = 4 tokens
+    assert torch.allclose(lp.grad, want, atol=1e-6)
+
+
+def test_gspo_is_grpo_when_every_sequence_has_one_token():
+    """With one token per sequence the sequence's ratio is the token's: gspo's value and gradient are grpo's."""
+    g = torch.Generator().manual_seed(2)
+    old = torch.randn(5, 1, generator=g)
+    base = old + torch.randn(5, 1, generator=g) * 0.3
+    adv = torch.randn(5, generator=g)
+    grads = {}
+    for loss_type in ("gspo", "grpo"):
+        lp = base.clone().requires_grad_()
+        loss = G.policy_loss(lp, old, adv, torch.ones(5, 1), 0.1, 0.1, loss_type)
+        loss.backward()
+        grads[loss_type] = (loss.item(), lp.grad)
+    assert abs(grads["gspo"][0] - grads["grpo"][0]) < 1e-7 and torch.allclose(grads["gspo"][1], grads["grpo"][1])
 
 
 def test_rollout_seeds_are_distinct_by_construction():
@@ -510,7 +602,7 @@ def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
     assert max_abs_diff(resumed, before) > 1e-4
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_micro_batch_split_does_not_change_the_step(toy, tmp_path, loss_type):
     """Step 1 with one big micro-batch equals step 1 with tiny ones (the loss normalisation does not depend on the
     split), for every loss type: the same gradient norm and the same update. 128 samples: some are right, so the
