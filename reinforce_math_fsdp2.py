@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -161,13 +162,13 @@ class Args:
     checkpoint_dir: str = "checkpoints_math_fsdp2"
     """where checkpoints go: step_N/ (Hugging Face format, by rank 0) + step_N/trainer/ (sharded state)"""
     save_every: int = 10
-    """save a checkpoint every this many steps (and at the end)"""
+    """save a checkpoint every this many steps (and at the end, and when SIGTERM or SIGUSR1 stops the run)"""
     keep_checkpoints: int = 3
     """keep the newest this many checkpoints, deleting older ones after each save (0: keep all; the newest, at the
     end the final one, always stays)"""
     resume: bool = False
-    """continue from the newest checkpoint in --checkpoint-dir, with the arguments saved with it (a flag given again
-    overrides); on the world size that wrote it"""
+    """continue from the newest complete checkpoint in --checkpoint-dir, with the arguments saved with it (a flag given
+    again overrides); on the world size that wrote it"""
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
@@ -615,6 +616,10 @@ def warm_up_grader() -> None:
     # pebble ends a worker past the backstop with SIGTERM, and 3 s later SIGKILL; its own SIGTERM handler is Python,
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
+    # torchrun signals each rank's whole process group (os.killpg): a worker leaves it, so that torchrun's SIGTERM
+    # does not end it in the middle of the step the rank finishes (its samples would score 0)
+    os.setpgrp()
     # imports sympy and builds math-verify's parsers (~1 s of CPU)
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False)
 
@@ -966,16 +971,79 @@ def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> 
 
 
 def load_split(dataset: str, split: str) -> list[dict]:
-    """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row
+    is checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
+    index)."""
     if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
-        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    import datasets
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
 
-    return list(datasets.load_dataset(dataset, split=split))
+        rows = [(f"{dataset} {split}[{i}]", row) for i, row in enumerate(datasets.load_dataset(dataset, split=split))]
+    for where, row in rows:
+        if problem := row_problem(row, "problem", "solution") or gold_problem(row["solution"]):
+            refuse(f"{where}: {problem}")
+    return [row for _, row in rows]
+
+
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
+    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
+    problem not empty."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    for name in (problem_field, gold_field):
+        if name not in row:
+            return f"no '{name}' field"
+        if not isinstance(row[name], str):
+            return f"'{name}' is not a string but {type(row[name]).__name__}"
+    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
+
+
+def gold_problem(solution: str) -> Optional[str]:
+    """What keeps grade from reading a MATH gold answer, or None: grade reads the last \\boxed{} of the solution
+    (last_boxed), so there must be one, balanced and not empty (MATH-500's bare `answer` is not read)."""
+    return None if last_boxed(solution) is not None else "'solution' has no \\boxed{} answer"
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,
+# torchrun forwarding its own); SLURM's --signal sends SIGUSR1 ahead of time. Either asks the loop to stop at the end
+# of the step in progress: it saves that step and exits with 128 + the signal, and --resume goes on from there.
+STOP_REQUESTS: list[int] = []  # the stop signals received, in order
+
+
+def request_stop(signum, frame) -> None:
+    """Handler of SIGTERM and SIGUSR1: the loop sees STOP_REQUESTS after the step in progress. A second signal ends
+    the run at once, as Ctrl-C does. (os.write: a print here could cut into a print the signal interrupted.)"""
+    STOP_REQUESTS.append(signum)
+    if len(STOP_REQUESTS) > 1:
+        signal.raise_signal(signal.SIGINT)
+        return
+    message = f"{signal.Signals(signum).name}: the step in progress finishes and is saved, then the run stops\n"
+    os.write(sys.stderr.fileno(), message.encode())
 
 
 # Logging, evaluation and the run's files: its checkpoints, the arguments saved with them, its rollout log
+TRAINER_STATE = "trainer/.metadata"  # a checkpoint's last file (save_checkpoint): a step_N without it is incomplete
+
+
 def all_sum(device, *xs: float) -> list[float]:
     """Each of `xs` summed over the ranks (a few metrics in one small all-reduce; one process: themselves)."""
     import torch
@@ -1084,46 +1152,85 @@ def write_rollouts(path: str, step: int, rank: int, samples: list, grades: list,
 def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_args: dict, rank: int) -> None:
     """A checkpoint at `path`, written by every rank: rank 0 writes the gathered model in Hugging Face format (vLLM,
     transformers and eval.py load it), the tokenizer and the run's arguments (--resume and eval.py read them); each
-    rank writes its shards of the model and the optimizer (DCP: resume loads them, in parallel) and trainer/rank{R}.pt
-    (`counters`, its random generators' states)."""
+    rank writes trainer/rank{R}.pt (`counters`, its random generators' states) and its shards of the model and the
+    optimizer (DCP: resume loads them, in parallel), whose metadata rank 0 writes last (TRAINER_STATE). Written whole
+    in `path`.tmp, then published under `path` at once by rank 0 (publish_checkpoint). Every rank must call it."""
     import random
 
     import numpy as np
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    tmp = path + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step cut short before
+    dist.barrier()  # before any rank writes into tmp
     sd = full_state_dict(model)  # every rank gathers; rank 0 alone writes the Hugging Face checkpoint
     if rank == 0:
-        model.config.save_pretrained(path)  # (these two create the directory)
-        tokenizer.save_pretrained(path)
-        with open(os.path.join(path, "args.json"), "w") as f:
+        model.config.save_pretrained(tmp)  # (these two create the directory)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(run_args, f, indent=1)
         if model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         save_file(
             {k: v.contiguous() for k, v in sd.items()},
-            os.path.join(path, "model.safetensors"),
+            os.path.join(tmp, "model.safetensors"),
             metadata={"format": "pt"},
         )
     del sd
-    msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
+    os.makedirs(os.path.join(tmp, "trainer"), exist_ok=True)
     state = {
         **counters,
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state(),
     }
-    torch.save(state, os.path.join(path, "trainer", f"rank{rank}.pt"))
+    torch.save(state, os.path.join(tmp, "trainer", f"rank{rank}.pt"))  # before DCP's, whose metadata comes last
+    msd, osd = get_state_dict(model, optimizer)  # sharded: each rank writes its own shards, in parallel
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "trainer"))
+    # every rank has written all its files before rank 0 renames the folder they all write into: a file still being
+    # written would miss the fsync, or land in a folder renamed under it, and a checkpoint without it would look whole
+    dist.barrier()
+    if rank == 0:
+        publish_checkpoint(tmp, path)
+    dist.barrier()  # no rank goes on (prunes, stops, exits) before the checkpoint exists
 
 
-def checkpoint_steps(checkpoint_dir: str) -> list[int]:
-    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+def publish_checkpoint(tmp: str, path: str) -> None:
+    """The checkpoint written in the folder `tmp` becomes the checkpoint `path` in one step: every file is flushed to
+    disk (fsync), then one rename, which POSIX makes atomic, then the folder that holds both is flushed too. A kill at
+    any moment (out of memory, a preemption, a node lost) leaves the whole checkpoint or none of it, and a `tmp` that
+    the next save of that step replaces. A `path` already there was cut short by an older save (checkpoint_steps skips
+    it): it goes first."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(fd)  # the rename itself, on disk
+    os.close(fd)
+
+
+def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
+    """The steps N of the complete step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none).
+    publish_checkpoint puts only whole checkpoints there, so anything else was cut short: a step_N.tmp, or a step_N
+    without its trainer state (copied in part, or saved by an older version of this script). It is skipped, and with
+    `say` named in one line."""
+    steps = []
+    for name in sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []:
+        path = os.path.join(checkpoint_dir, name)
+        if re.fullmatch(r"step_\d+", name) and os.path.exists(os.path.join(path, TRAINER_STATE)):
+            steps.append(int(name[5:]))
+        elif say and re.fullmatch(r"step_\d+(\.tmp)?", name):
+            print(f"skipped {path}: cut short while it was saved (no {TRAINER_STATE})", flush=True)
+    return sorted(steps)
 
 
 def saved_args(path: str) -> dict:
@@ -1169,56 +1276,77 @@ def parse_args() -> Args:
     return args
 
 
-def parse_args_on_every_rank(rank: int) -> Args:
-    """parse_args on every rank, printed once: under torchrun only rank 0 prints --help or a flag error. The others
-    read the command line quietly and, on an error, exit a moment later, so that torchrun does not kill rank 0 before
-    it has printed. With --rank0-only-output the other ranks' stdout goes to /dev/null from here on."""
+def said_once(rank: int, work, *args):
+    """work(*args) on every rank, what it prints said once: under torchrun rank 0 prints (--help, a refusal), the
+    other ranks run it quietly (stdout and stderr to /dev/null). When it stops the run they exit 5 s after rank 0, since
+    torchrun stops every rank once one has exited and would kill rank 0 before it printed; with nothing to do (exit 0)
+    every rank exits at once."""
     import contextlib
 
-    if rank == 0:
-        return parse_args()
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+    with open(os.devnull, "w") as devnull, contextlib.ExitStack() as quiet:
+        for redirect in (contextlib.redirect_stdout, contextlib.redirect_stderr) if rank else ():
+            quiet.enter_context(redirect(devnull))
         try:
-            args = parse_args()
+            return work(*args)
         except SystemExit as e:
-            time.sleep(5 if e.code else 0)
+            time.sleep(0 if rank == 0 or not e.code else 5)
             raise
-    if args.rank0_only_output:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
-    return args
 
 
-def check_args_on_every_rank(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None:
-    """Before any work, on every rank: exit 0 when the newest checkpoint (`ckpts`: their steps, with --resume) has
-    --train-steps already, else refuse what cannot run. Rank 0 says why first: the others exit 5 s later, since torchrun
-    stops every rank once one has exited."""
-    try:
-        if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-            raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
-        if ckpts and ckpts[-1] >= args.train_steps:
-            if rank == 0:
-                print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-            raise SystemExit(0)
-        check_run_files(args, args.rollout_log.replace("{RANK}", str(rank)))
-        # DCP would reshard the model and optimizer state, but not the rest of it: each rank's data share, RNG
-        # streams and rollout log belong to its RANK
-        saved_ranks = world_size
-        if ckpts:
-            trainer_dir = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}", "trainer")
-            saved_ranks = len([f for f in os.listdir(trainer_dir) if re.fullmatch(r"rank\d+\.pt", f)])
-        if saved_ranks != world_size:
-            raise SystemExit(
-                f"step_{ckpts[-1]} in {args.checkpoint_dir} was written by {saved_ranks} ranks: resume it on "
-                f"{saved_ranks} (--nproc-per-node x nodes), not {world_size}"
-            )
-        if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-            raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-        for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
-            if value is not None and value < 1:
-                raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
-    except SystemExit as e:
-        time.sleep(0 if rank == 0 or not e.code else 5)  # (nothing to do: every rank exits at once)
-        raise
+def check_args(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None:
+    """Before any work, on every rank (said_once): exit 0 when the newest checkpoint (`ckpts`: their steps, with
+    --resume) has --train-steps already, else refuse what cannot run."""
+    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
+        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    check_run_files(args, args.rollout_log.replace("{RANK}", str(rank)))
+    # DCP would reshard the model and optimizer state, but not the rest of it: each rank's data share, RNG streams
+    # and rollout log belong to its RANK
+    saved_ranks = world_size
+    if ckpts:
+        trainer_dir = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}", "trainer")
+        saved_ranks = len([f for f in os.listdir(trainer_dir) if re.fullmatch(r"rank\d+\.pt", f)])
+    if saved_ranks != world_size:
+        raise SystemExit(
+            f"step_{ckpts[-1]} in {args.checkpoint_dir} was written by {saved_ranks} ranks: resume it on "
+            f"{saved_ranks} (--nproc-per-node x nodes), not {world_size}"
+        )
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+    for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+
+
+def load_math_problems(args: Args) -> tuple[list[dict], list[dict]]:
+    """Before torch is imported, on every rank (said_once): the training problems less those of the evaluation set
+    (its whole test split, not only --eval-limit's share), then --limit; and the first --eval-limit evaluation
+    problems. load_split checks every row: a bad one stops the run, as a set with nothing to train on does."""
+    train = load_split(args.dataset, "train")
+    test = load_split(args.eval_dataset, "test")
+    clean, overlap = drop_eval_overlap(train, test, "problem")
+    fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
+    print(
+        f"training problems: {len(train)} in {args.dataset}, {overlap} of them evaluation problems: {fate}", flush=True
+    )
+    kept = (train if args.keep_eval_overlap else clean)[: args.limit]
+    if not kept:
+        dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
+        raise SystemExit(f"no training problems: {args.dataset} holds {len(train)}{dropped}")
+    return kept, test[: args.eval_limit]
+
+
+def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
+    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
+    server would refuse that prompt's requests steps later."""
+    if longest_prompt + max_completion_tokens > max_model_len:
+        raise SystemExit(
+            f"--max-completion-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
+            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
+            "--max-model-len"
+        )
 
 
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
@@ -1253,29 +1381,13 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
 if __name__ == "__main__":
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args_on_every_rank(rank)  # before importing torch: --help is instant
+    args = said_once(rank, parse_args)  # before importing torch: --help is instant
+    if rank and args.rank0_only_output:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
     run_args = asdict(args)  # saved with every checkpoint
-    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
-    check_args_on_every_rank(args, rank, world_size, ckpts)
-
-    # data, before anything heavy (a set with nothing to train on stops the run before a model loads): the training
-    # problems less those of the evaluation set (its whole test split, not only --eval-limit's share), then --limit
-    train = load_split(args.dataset, "train")
-    test = load_split(args.eval_dataset, "test")
-    clean, overlap = drop_eval_overlap(train, test, "problem")
-    if rank == 0:
-        fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
-        print(
-            f"training problems: {len(train)} in {args.dataset}, {overlap} of them evaluation problems: {fate}",
-            flush=True,
-        )
-    n_rows = len(train)
-    train = (train if args.keep_eval_overlap else clean)[: args.limit]
-    test = test[: args.eval_limit]
-    if not train:
-        time.sleep(0 if rank == 0 else 5)
-        dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
-        raise SystemExit(f"no training problems: {args.dataset} holds {n_rows}{dropped}")
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=rank == 0) if args.resume else []  # the complete ones
+    said_once(rank, check_args, args, rank, world_size, ckpts)
+    train, test = said_once(rank, load_math_problems, args)  # before anything heavy: a bad row stops the run here
     import logging
     import random
 
@@ -1319,6 +1431,12 @@ if __name__ == "__main__":
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     eval_rows = test[rank::world_size]  # this rank's share of the evaluation problems
     eval_prompts = [prompt_ids(tokenizer, args.system_prompt, row["problem"]) for row in eval_rows]
+    # the server's context must hold the longest prompt and a whole completion: refused before the model loads, by
+    # every rank alike (each measures its share of the training problems; the longest over the ranks)
+    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    mine = [len(prompt_ids(tokenizer, args.system_prompt, row["problem"])) for row in train[rank::world_size]]
+    longest = int(all_max(device, max(mine + [len(p) for p in eval_prompts], default=0)))
+    said_once(rank, check_lengths, longest, args.max_completion_tokens, served["max_model_len"])
 
     # model: fp32 master weights, sharded; AdamW on the shards
     model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
@@ -1344,15 +1462,17 @@ if __name__ == "__main__":
         sync = init_weight_sync(url, device, args.sync_host)
     push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
     # the sampler's policy check: the limit for the dtypes both ends compute in, the same on every rank
-    served_dtype = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["dtype"]
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, args.param_dtype])
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], args.param_dtype])
 
     eval_golds = [row["solution"] for row in eval_rows]
     if args.eval_before_start and step == 0:
         log_metrics(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device), step, loggers)
     total_tokens = 0
     start_time = time.time()
-    while step < args.train_steps:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    stop = 0  # the signal that stops the run, as every rank agreed at a step's end (0: none)
+    while step < args.train_steps and not stop:
         t0 = time.time()
         # 1) generate this rank's share of the step's prompts, group_size completions each
         global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
@@ -1417,14 +1537,18 @@ if __name__ == "__main__":
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device))
         log_metrics(metrics, step, loggers)
-        if step % args.save_every == 0 or step == args.train_steps:
+        # a signal reaches the ranks at different moments: they agree on it, so that all save the same step and stop
+        stop = int(all_max(device, STOP_REQUESTS[0] if STOP_REQUESTS else 0))
+        if step % args.save_every == 0 or step == args.train_steps or stop:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             counters = {"step": step, "version": version, "data_pos": data_pos}
-            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args, rank)
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args, rank)  # published on every rank
             log.info("saved %s", path)
-            dist.barrier()  # every rank has written its part of the new checkpoint before an older one is deleted
             if rank == 0:
                 prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
     dist.barrier()  # a rare abort at exit was seen without it
     dist.destroy_process_group()
+    if stop and step < args.train_steps:  # every rank, with the same code
+        print(f"stopped by {signal.Signals(stop).name} after step {step}: --resume goes on from there", flush=True)
+        raise SystemExit(128 + stop)

@@ -4,7 +4,12 @@ MATH-schema problems whose answer is always 7). A copy of the script is tested b
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
+import random
+import select
+import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -495,3 +500,264 @@ def test_weights_changed_behind_the_trainer_stop_the_run(toy, tmp_path):
     m = metrics_of(out)
     assert [x["version"] for x in m] == ["1"] and float(m[0]["logprob_mismatch"]) < 1e-5, m
     assert os.listdir(tmp_path / CKPT) == ["step_1"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# faults: a preemption, saves cut short, bad data, a budget the server cannot hold
+PREEMPT = ("--train-steps", "5", "--save-every", "100", "--rollouts-per-update", "2")  # one save: the last step
+
+
+class Preempted(NamedTuple):
+    stopped: Path  # the run SIGTERMed once step 3 was logged, then resumed to step 5
+    code: int  # torchrun's exit status after the SIGTERM
+    seconds: float  # from the SIGTERM to torchrun's exit
+    said: str  # the stopped run's output
+    steps: list[int]  # its complete checkpoints right after the stop
+    resumed: str  # the resumed run's output
+    straight: Path  # the same 5 steps, never stopped
+
+
+@pytest.fixture(scope="module")
+def preempted(toy, tmp_path_factory) -> Preempted:
+    """A 2-rank run of 5 steps, saving at the last only (--save-every 100), SIGTERMed through torchrun (as a cluster's
+    preemption) once step 3 is logged. Then, beside its checkpoint, two saves cut short as a kill (or an older version
+    of the script, which wrote in place) leaves them: a step_5 whose DCP folder has no metadata and whose model file is
+    half there, and a step_6.tmp; the run is resumed to step 5. And the same 5 steps, never stopped."""
+    stopped, straight = tmp_path_factory.mktemp("stopped"), tmp_path_factory.mktemp("straight")
+    cmd = [TORCHRUN, "--nproc_per_node=2", *script_args(toy.url, toy.model, *PREEMPT)]
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: nothing blocks on a full pipe or a late reader
+        proc = subprocess.Popen(cmd, cwd=stopped, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + 600
+            while "\nstep 3: " not in (out.seek(0) or out.read()) and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.1)
+            os.kill(proc.pid, signal.SIGTERM)
+            t0 = time.time()
+            code = proc.wait(timeout=120)
+            seconds = time.time() - t0
+        finally:
+            proc.kill()
+        said = out.seek(0) or out.read()
+    ck = stopped / CKPT
+    steps = R.checkpoint_steps(str(ck))
+    cut = ck / "step_5"
+    shutil.copytree(ck / f"step_{steps[-1]}", cut)
+    (cut / "trainer" / ".metadata").unlink()
+    model_file = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(model_file[: len(model_file) // 2])
+    (ck / "step_6.tmp").mkdir()
+    resumed, _ = run(toy.url, toy.model, stopped, *PREEMPT, "--resume")
+    run(toy.url, toy.model, straight, *PREEMPT)
+    return Preempted(stopped, code, seconds, said, steps, resumed, straight)
+
+
+def test_sigterm_saves_the_step_in_progress_on_every_rank_and_stops(preempted):
+    """torchrun forwards the SIGTERM to both ranks; they finish the step in progress, agree to stop, save that step
+    (3 or 4: it depends on when the signal lands) in one complete checkpoint and exit with 128 + SIGTERM, well within
+    torchrun's 30 s before SIGKILL; torchrun itself then exits 1 (the SignalException it raises)."""
+    said = preempted.said
+    last = preempted.steps[-1]
+    print(f"stopped after step {last}, {preempted.seconds:.1f} s after the SIGTERM")
+    assert preempted.code == 1 and preempted.seconds < 60, said[-3000:]
+    assert said.count("SIGTERM: the step in progress finishes and is saved, then the run stops") == 2, said[-3000:]
+    assert said.count(f"stopped by SIGTERM after step {last}: --resume goes on from there") == 2, said[-3000:]
+    assert "forcefully exiting" not in said  # no rank was still running at torchrun's SIGKILL
+    assert 3 <= last < 5 and preempted.steps == [last]
+    trainer = preempted.stopped / CKPT / f"step_{last}" / "trainer"
+    assert {"rank0.pt", "rank1.pt", ".metadata"} <= set(os.listdir(trainer))
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_run(preempted):
+    """--resume after the SIGTERM goes on from the step saved and reaches step 5 with the prompts, completions and
+    seeds of the run never stopped, on each rank, and its weights."""
+    last = preempted.steps[-1]
+    assert f"resumed from checkpoints_math_fsdp2/step_{last} at step {last}" in preempted.resumed
+    for rank in (0, 1):
+        rows = [
+            [(x["step"], x["problem"], x["completion"], x["seed"]) for x in rollout_log(path, rank)]
+            for path in (preempted.stopped, preempted.straight)
+        ]
+        assert rows[0] == rows[1] and len(rows[0]) == 5 * 2 * 8
+    weights = [load_weights(path / CKPT / "step_5") for path in (preempted.stopped, preempted.straight)]
+    assert max_abs_diff(*weights) < 1e-6
+
+
+def test_resume_skips_saves_cut_short_and_saves_over_them(preempted):
+    """The resumed run names the step_5 without DCP metadata and the leftover step_6.tmp in one line each (rank 0
+    alone), resumes from the newest complete checkpoint, and its own save of step 5 replaces the one cut short
+    (test_sigterm_then_resume_equals_an_uninterrupted_run compares its weights). The leftover stays, ignored."""
+    out = preempted.resumed
+    for name in ("step_5", "step_6.tmp"):
+        said = f"skipped checkpoints_math_fsdp2/{name}: cut short while it was saved (no trainer/.metadata)"
+        assert out.count(said) == 1, out[-3000:]
+    ck = preempted.stopped / CKPT
+    assert R.checkpoint_steps(str(ck)) == [preempted.steps[-1], 5] and (ck / "step_6.tmp").is_dir()
+    assert not (ck / "step_5.tmp").exists()
+
+
+def _save_forever(checkpoint_dir: str, model_dir: str, ready: int) -> None:
+    """A forked child: a one-rank gloo group, the script's FSDP2 model (setup_model) and an AdamW with state (lr 0:
+    the weights stay the model's); once ready, what a run does at a step's end, as fast as it can: save step N + 1
+    after the newest complete step N, then prune to the newest 2. It never returns: the test kills it."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)  # (forked: no thread pool of the parent's is used)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = R.setup_model(model_dir, "float32", False, torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    ids = torch.tensor([[5, 17, 33, 2, 91]])
+    model.token_logprobs(ids, torch.ones_like(ids), torch.arange(4))[0].sum().backward()
+    optimizer.step()
+    os.write(ready, b"!")
+    while True:
+        steps = R.checkpoint_steps(checkpoint_dir)
+        step = (steps[-1] if steps else 0) + 1
+        counters = {"step": step, "version": step, "data_pos": step}
+        path = os.path.join(checkpoint_dir, f"step_{step}")
+        R.save_checkpoint(path, model, tokenizer, optimizer, counters, {"seed": 1}, 0)
+        R.prune_checkpoints(checkpoint_dir, 2)
+
+
+def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp_path):
+    """test_faults.py's kill test for FSDP2's save, which needs a process group: 24 SIGKILLs at random moments of a
+    loop of saves (most land inside a save: they leave its .tmp folder), each in a fresh child. After each, the newest
+    checkpoint checkpoint_steps offers loads whole: the Hugging Face model holds the weights saved, rank0.pt its step,
+    and the DCP shards the weights and Adam's moments; once a checkpoint exists one always does (pruning keeps the
+    newest); and the next save of a step whose save was cut short succeeds."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers.utils import logging as transformers_logging
+
+    assert not dist.is_initialized()  # the children build their own group
+    # no progress bars: tqdm's lock is a semaphore the forked children share, and one killed holding it would keep it
+    transformers_logging.disable_progress_bar()
+    expected = load_weights(toy_model)
+    checkpoint_dir = str(tmp_path / "ckpt")
+    os.makedirs(checkpoint_dir)
+    rng = random.Random(0)
+    mid_save = 0  # kills that left a save's .tmp behind
+    for kill in range(24):
+        ready, ready_w = os.pipe()
+        child = mp.get_context("fork").Process(target=_save_forever, args=(checkpoint_dir, toy_model, ready_w))
+        child.start()
+        try:
+            assert select.select([ready], [], [], 120)[0], "the child did not set up"
+            time.sleep(rng.uniform(0.02, 0.5))
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+            os.close(ready)
+            os.close(ready_w)
+        mid_save += any(name.endswith(".tmp") for name in os.listdir(checkpoint_dir))
+        steps = R.checkpoint_steps(checkpoint_dir)
+        assert steps or kill < 3, f"no complete checkpoint after {kill + 1} kills: {os.listdir(checkpoint_dir)}"
+        if steps:
+            newest = os.path.join(checkpoint_dir, f"step_{steps[-1]}")
+            assert max_abs_diff(expected, load_weights(newest)) == 0, newest
+            assert torch.load(os.path.join(newest, "trainer", "rank0.pt"), weights_only=False)["step"] == steps[-1]
+            dcp_to_torch_save(os.path.join(newest, "trainer"), tmp_path / "dcp.pt")
+            state = torch.load(tmp_path / "dcp.pt", weights_only=False)
+            assert all(torch.equal(state["model"][k], v) for k, v in expected.items()), newest
+            assert all(s["exp_avg_sq"].abs().sum() > 0 for s in state["optim"]["state"].values()), newest
+    print(f"{mid_save} of 24 kills landed inside a save")
+    assert mid_save >= 8, f"only {mid_save} of 24 kills landed inside a save"
+
+
+def test_the_math_fixtures_and_the_real_math500_pass_the_checks():
+    """Every row of the MATH-schema fixtures, and of the real MATH-500 where ../shared/data has it, passes load_split's
+    checks (row_problem, gold_problem: a \\boxed{} answer in every solution)."""
+    files = [
+        os.path.join(FIXTURES, d, f)
+        for d in os.listdir(FIXTURES)
+        if d.startswith("math")
+        for f in ("train.jsonl", "test.jsonl")
+    ]
+    files += [str(MATH500)] if MATH500.is_file() else []
+    for file in [f for f in files if os.path.isfile(f)]:
+        assert all(
+            R.row_problem(r, "problem", "solution") is None and R.gold_problem(r["solution"]) is None
+            for r in read_jsonl(file)
+        ), file
+    assert R.gold_problem("so $x = \\boxed 2$.") is None  # MATH's train set has answers boxed without braces
+    for solution in ("The answer is 7.", "$\\boxed{}$", "$\\boxed{7$"):
+        assert R.gold_problem(solution) == "'solution' has no \\boxed{} answer", solution
+
+
+def test_a_bad_row_is_refused_once_under_torchrun(tmp_path):
+    """A bad row in the evaluation split (a MATH-500 row whose solution holds no box; its bare `answer` is not read) is
+    refused on both ranks before torch is imported, by rank 0 alone in one line: rank 0 exits 2 and torchrun stops
+    rank 1 before it says anything."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(os.path.join(FIXTURES, "math_toy", "train.jsonl"), data / "train.jsonl")
+    rows = read_jsonl(os.path.join(FIXTURES, "math500", "test.jsonl"))
+    rows[1]["solution"] = "Add them: 7."
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cmd = [TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, SCRIPT), "--dataset", "data", "--eval-dataset", "data"]
+    r = subprocess.run(
+        [*cmd, "--model", "/nonexistent/model"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and out.count("data/test.jsonl:2: 'solution' has no \\boxed{} answer") == 1, out[-3000:]
+    assert "failed (exitcode: 2) local_rank: 0" in out and f'File "{os.path.join(ROOT, SCRIPT)}"' not in out
+
+
+def test_a_completion_budget_the_server_cannot_hold_is_refused_at_start(toy, tmp_path):
+    """--max-completion-tokens past the server's max_model_len (1024 here) after the longest prompt is refused on
+    every rank once the server answers, before the model loads, said once (by rank 0)."""
+    cmd = [TORCHRUN, "--nproc_per_node=2", *script_args(toy.url, toy.model, "--max-completion-tokens", "1020")]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    said = "exceeds the server's max_model_len 1024: lower it, or start the server with a larger --max-model-len"
+    assert r.returncode == 1 and out.count(said) == 1, out[-3000:]
+    assert "--max-completion-tokens 1020 after the longest prompt (" in out and not (tmp_path / CKPT).exists()
+
+
+GRADER_PIDS = """
+import os, signal, sys
+import psutil
+sys.path.insert(0, sys.argv[1])
+import reinforce_math_fsdp2 as R
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the rank, which turns SIGTERM into a stop
+assert R.grade_batch(["\\\\boxed{7}"], ["7"], 5.0, workers=2, strict_format=False)[0].correct
+workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+print(" ".join(str(p.pid) for p in workers), flush=True)
+sys.stdin.readline()
+print(R.grade_batch(["\\\\boxed{7}"] * 4, ["7"] * 4, 5.0, workers=2, strict_format=False), flush=True)
+"""
+
+
+def test_torchruns_signal_to_a_rank_leaves_its_grading_workers_alone(tmp_path):
+    """torchrun signals each rank's whole process group (os.killpg; a rank leads its own session): the grading workers
+    leave that group when they start (warm_up_grader), so the SIGTERM a rank turns into a stop does not end the workers
+    that grade the step it finishes. They still end with their rank: SIGKILLed, it closes the pipe they read tasks
+    from, and they exit."""
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    cmd = [PY, "-c", GRADER_PIDS, ROOT]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(os.getpgid(p) != proc.pid for p in pids), pids
+        os.killpg(proc.pid, signal.SIGTERM)  # what torchrun does (subprocess_handler.py)
+        time.sleep(1)
+        assert all(alive(p) for p in pids)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().count("correct=True") == 4
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's last word, past its grace period: the workers follow the rank
+        deadline = time.time() + 30
+        while any(alive(p) for p in pids):
+            assert time.time() < deadline, "a grading worker outlived its rank"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
