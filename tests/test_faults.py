@@ -93,6 +93,26 @@ BAD_ROWS = [  # line 3 of the training file, and what the refusal says of it
 ]
 SCRIPTS = {  # script: (its flags besides --dataset: nothing it could reach, nothing it could load)
     "grpo_gsm8k.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
+    # (its evaluation set: the same folder, named from the test's working directory)
+    "reinforce_math_fsdp2.py": lambda: [
+        "--model",
+        "/nonexistent/model",
+        "--vllm-port",
+        str(free_port()),
+        "--eval-dataset",
+        "data",
+    ],
+}
+MATH_ROW = {"problem": "What is 2 + 2?", "solution": "We add: $2 + 2 = \\boxed{4}$."}
+SCHEMAS = {  # script: its good row, its names of BAD_ROWS' fields, and its words where they differ (default: GSM8K's)
+    "reinforce_math_fsdp2.py": (
+        MATH_ROW,
+        {"question": "problem", "answer": "solution"},
+        {
+            "not JSON (Expecting value, column 42)": "not JSON (Expecting value, column 43)",
+            "'answer' ends in no number ('#### 42'): 'two'": "'solution' has no \\boxed{} answer",
+        },
+    ),
 }
 
 
@@ -104,12 +124,17 @@ def _imported(stderr: str) -> set:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_bad_row_is_refused_by_file_and_line_before_any_work(script, line, said, tmp_path):
     """Line 3 of the training file is bad: the script ends with exit status 2 and one line, `FILE:3: what is wrong`,
-    no traceback, before torch is imported (no model loaded, no server asked)."""
+    no traceback, before torch is imported (no model loaded, no server asked). A script of another schema (SCHEMAS)
+    gets the same rows with its own field names."""
     data = tmp_path / "data"
     data.mkdir()
-    rows = [json.dumps(GSM8K_ROW), json.dumps(GSM8K_ROW), line, json.dumps(GSM8K_ROW)]
+    good, names, words = SCHEMAS.get(script, (GSM8K_ROW, {}, {}))
+    said = words.get(said, said)
+    for gsm8k, ours in names.items():
+        line, said = line.replace(f'"{gsm8k}"', f'"{ours}"'), said.replace(f"'{gsm8k}'", f"'{ours}'")
+    rows = [json.dumps(good), json.dumps(good), line, json.dumps(good)]
     (data / "train.jsonl").write_text("\n".join(rows) + "\n")
-    (data / "test.jsonl").write_text(json.dumps(GSM8K_ROW) + "\n")
+    (data / "test.jsonl").write_text(json.dumps(good) + "\n")
     cmd = [PY, "-X", "importtime", os.path.join(ROOT, script), "--dataset", str(data), *SCRIPTS[script]()]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     lines = [x for x in (r.stdout + r.stderr).splitlines() if not x.startswith("import time:")]
