@@ -536,30 +536,13 @@ def generate_samples(
     columns = [TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True)) as progress:
         bar = progress.add_task("generate", total=len(questions))
+        sampling = {"n": args.n, "temperature": args.temperature, "max_tokens": args.max_tokens, "seed": args.seed}
+        sampling |= {"concurrency": args.concurrency, "on_done": lambda: progress.advance(bar)}
         if args.base_url:  # the server applies its chat template to the same messages: the same tokens (docs)
-            results = generate_openai(
-                client,
-                served,
-                chats=[chat_messages(args.system_prompt, q) for q in questions],
-                n=args.n,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-                concurrency=args.concurrency,
-                seed=args.seed,
-                neutral_sampling=args.neutral_sampling,
-                on_done=lambda: progress.advance(bar),
-            )
+            chats = [chat_messages(args.system_prompt, q) for q in questions]
+            results = generate_openai(client, served, chats, neutral_sampling=args.neutral_sampling, **sampling)
         else:
-            results = generate(
-                url,
-                prompt_ids,
-                n=args.n,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-                concurrency=args.concurrency,
-                seed=args.seed,
-                on_done=lambda: progress.advance(bar),
-            )
+            results = generate(url, prompt_ids, **sampling)
     return [res["completions"] for res in results]
 
 
@@ -796,24 +779,11 @@ def write_results(
                 "finish_reason": [c["finish_reason"] for c in samples[i]],
             }
             f.write(json.dumps(record) + "\n")
-        summary = {
-            **metrics,
-            "num_problems": len(rows),
-            "n": args.n,
-            "model": args.model,
-            "served_model": served,
-            "task": args.task,
-            "dataset": dataset,
-            "split": args.split,
-            "limit": args.limit,
-            "temperature": args.temperature,
-            "max_tokens": args.max_tokens,
-            "system_prompt": args.system_prompt,
-            "template": template,
-            "strict_format": args.strict_format,
-            "seed": args.seed,
-            "elapsed_s": time.time() - start_time,
-        }
+        summary = {**metrics, "num_problems": len(rows), "n": args.n, "model": args.model, "served_model": served}
+        summary |= {"task": args.task, "dataset": dataset, "split": args.split, "limit": args.limit}  # the problems
+        summary |= {"temperature": args.temperature, "max_tokens": args.max_tokens, "system_prompt": args.system_prompt}
+        summary |= {"template": template, "strict_format": args.strict_format, "seed": args.seed}
+        summary["elapsed_s"] = time.time() - start_time
         f.write(json.dumps({"summary": summary}) + "\n")
 
 
