@@ -338,6 +338,7 @@ def warm_up_grader() -> None:
     # pebble ends a worker past the backstop with SIGTERM, and 3 s later SIGKILL; its own SIGTERM handler is Python,
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
     # imports sympy and builds math-verify's parsers (~1 s of CPU)
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", "math500")
 
@@ -712,19 +713,74 @@ def check_args(args: Args) -> None:
 
 
 DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
+PROBLEM_FIELD = {"gsm8k": "question", "math500": "problem"}
+
+
+def gold_field_of(row, task: str) -> str:
+    """The field of a row that holds its gold: `answer`; for MATH without one (the original MATH), `solution`."""
+    no_answer = task == "math500" and isinstance(row, dict) and not row.get("answer")
+    return "solution" if no_answer and "solution" in row else "answer"
 
 
 def load_split(dataset: str, split: str, task: str) -> list[dict]:
     """Rows in the task's schema: GSM8K {question, answer}; MATH-500 {problem, solution, answer, subject, level,
-    unique_id} (the original MATH, without `answer`, works too). From the hub or `dataset`/{split}.jsonl."""
-    if os.path.isdir(dataset):
-        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    import datasets
+    unique_id} (the original MATH, without `answer`, works too). From the hub or `dataset`/{split}.jsonl. Every row is
+    checked, before any work: a bad one stops the run, named by its file and line (a hub row: its split and index)."""
+    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
 
+        hub = datasets.load_dataset(dataset, *(["main"] if task == "gsm8k" else []), split=split)  # GSM8K's config
+        rows = [(f"{dataset} {split}[{i}]", row) for i, row in enumerate(hub)]
+    for where, row in rows:
+        field = gold_field_of(row, task)
+        if problem := row_problem(row, PROBLEM_FIELD[task], field) or gold_problem(row[field], task, field):
+            refuse(f"{where}: {problem}")
+    return [row for _, row in rows]
+
+
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
+    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
+    problem not empty."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    for name in (problem_field, gold_field):
+        if name not in row:
+            return f"no '{name}' field"
+        if not isinstance(row[name], str):
+            return f"'{name}' is not a string but {type(row[name]).__name__}"
+    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
+
+
+def gold_problem(answer: str, task: str, field: str) -> Optional[str]:
+    """What keeps grade from reading a gold answer of `task` (the row's `field`), or None. GSM8K: its final answer
+    (after '####', or the whole field) must be a number, as every GSM8K answer is. MATH: gold_answer must find one
+    (in a `solution`: its last box)."""
     if task == "gsm8k":
-        return list(datasets.load_dataset(dataset, "main", split=split))
-    return list(datasets.load_dataset(dataset, split=split))
+        final = re.sub(r"[,\s]", "", answer.split("####")[-1])
+        return None if re.fullmatch(NUM, final) else f"'answer' ends in no number ('#### 42'): {final[:40]!r}"
+    if field == "solution" and last_boxed(answer) is None:
+        return "'solution' has no \\boxed{} answer, and no 'answer' field gives one"
+    return None if gold_answer(answer, task).strip() else f"'{field}' is empty"
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def chat_messages(system_prompt: str, question: str) -> list[dict]:
@@ -827,10 +883,10 @@ if __name__ == "__main__":
     # A template that opens the think block itself (DeepSeek-R1's does) leaves the completion without <think>
     think_prefilled = template.rstrip().endswith("<think>")
 
-    # 1) prompts: the question as it is, in the model's chat template (zero-shot, no answer-format hint
-    #    unless the system prompt gives one); gold = the raw answer field (MATH without `answer`: the solution)
-    questions = [r["question"] if args.task == "gsm8k" else r["problem"] for r in rows]
-    golds = [r["answer"] if args.task == "gsm8k" else (r.get("answer") or r["solution"]) for r in rows]
+    # 1) prompts: the question as it is, in the model's chat template (zero-shot, no answer-format hint unless the
+    #    system prompt gives one); gold: the raw gold field (gold_field_of)
+    questions = [r[PROBLEM_FIELD[args.task]] for r in rows]
+    golds = [r[gold_field_of(r, args.task)] for r in rows]
     prompts = [render_prompt(tokenizer, args.system_prompt, q) for q in questions]
     prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
 

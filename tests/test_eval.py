@@ -200,6 +200,59 @@ def test_base_url_with_start_server_is_refused_before_any_work():
 
 
 # ---------------------------------------------------------------------------------------------------
+# the data, checked at load (the GSM8K schema's bad rows: tests/test_faults.py)
+MATH_ROW = {"problem": "What is 1 + 1?", "solution": "So $1 + 1 = \\boxed{2}$.", "answer": "2"}
+NO_GOLD = "'solution' has no \\boxed{} answer, and no 'answer' field gives one"
+MATH_BAD_ROWS = {  # line 2 of a MATH-500-schema test file, and what the refusal says of it
+    "solution without a box": ({"problem": "What is 1 + 1?", "solution": "It is 2."}, NO_GOLD),  # (MATH's schema)
+    "empty box, empty answer": ({"problem": "1 + 1?", "solution": "It is \\boxed{}.", "answer": ""}, NO_GOLD),
+    "blank answer": ({"problem": "What is 1 + 1?", "answer": " "}, "'answer' is empty"),
+    "no gold": ({"problem": "What is 1 + 1?"}, "no 'answer' field"),
+    "answer a number": ({"problem": "What is 1 + 1?", "answer": 2}, "'answer' is not a string but int"),
+    "a GSM8K row": ({"question": "What is 1 + 1?", "answer": "2"}, "no 'problem' field"),
+}
+
+
+def run_on_rows(tmp_path, rows: list, *args: str) -> subprocess.CompletedProcess:
+    """The script on a test.jsonl of `rows` (--task math500), with a --vllm-port nothing listens on."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cmd = [PY, SCRIPT_PATH, "--task", "math500", "--dataset", str(data), "--vllm-port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("row,said", MATH_BAD_ROWS.values(), ids=MATH_BAD_ROWS.keys())
+def test_a_math_row_without_a_gold_is_refused_by_file_and_line(row, said, tmp_path):
+    """--task math500: a row that gives grade no gold (an empty `answer`, and no box in the solution) or lacks a field
+    ends the run before any work, in one line naming the file and line, exit status 2."""
+    r = run_on_rows(tmp_path, [MATH_ROW, row, MATH_ROW], "--model", "/nonexistent/model")
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{tmp_path / 'data' / 'test.jsonl'}:2: {said}"], r.stderr
+    assert not r.stdout
+
+
+def test_math_golds_that_grade_reads_pass_the_checks(tmp_path):
+    """A MATH-500 row whose solution has no box but whose answer is given, one whose answer is empty but whose solution
+    has a box, and an original MATH row (a boxed solution, no answer field) pass: the run goes on to the server, which
+    is not there. So do the fixtures in either schema, and the real GSM8K and MATH-500 test sets where ../shared/data
+    has them."""
+    rows = [MATH_ROW, {**MATH_ROW, "solution": "It is 2."}, {**MATH_ROW, "answer": ""}]
+    rows += [{"problem": MATH_ROW["problem"], "solution": MATH_ROW["solution"]}]  # the original MATH's schema
+    r = run_on_rows(tmp_path, rows, "--model", "/nonexistent/model")
+    assert r.returncode == 1 and "ConnectionError" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+    checked = 0
+    for d in os.listdir(FIXTURES):  # each folder in one schema, named in its name
+        for split in ("train", "test"):
+            if os.path.isfile(os.path.join(FIXTURES, d, f"{split}.jsonl")):
+                task = "gsm8k" if "gsm8k" in d else "math500"
+                checked += len(E.load_split(os.path.join(FIXTURES, d), split, task))
+    shared = os.path.join(os.path.dirname(ROOT), "shared", "data")
+    for task in ("gsm8k", "math500") if os.path.isdir(shared) else ():
+        checked += len(E.load_split(shared, f"{task}_test", task))  # its gsm8k_test.jsonl and math500_test.jsonl
+    assert checked > 100
+
+
+# ---------------------------------------------------------------------------------------------------
 # end to end: the real script against a real server
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):

@@ -93,6 +93,7 @@ BAD_ROWS = [  # line 3 of the training file, and what the refusal says of it
 ]
 SCRIPTS = {  # script: (its flags besides --dataset: nothing it could reach, nothing it could load)
     "grpo_gsm8k.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
+    "eval.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
     # (its evaluation set: the same folder, named from the test's working directory)
     "reinforce_math_fsdp2.py": lambda: [
         "--model",
@@ -114,6 +115,7 @@ SCHEMAS = {  # script: its good row, its names of BAD_ROWS' fields, and its word
         },
     ),
 }
+SPLITS = {"eval.py": "test"}  # script: the split its bad row is put in, where it is not "train" (eval reads no other)
 
 
 def _imported(stderr: str) -> set:
@@ -123,22 +125,23 @@ def _imported(stderr: str) -> set:
 @pytest.mark.parametrize("line,said", BAD_ROWS, ids=[said.split(" (")[0] for _, said in BAD_ROWS])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_bad_row_is_refused_by_file_and_line_before_any_work(script, line, said, tmp_path):
-    """Line 3 of the training file is bad: the script ends with exit status 2 and one line, `FILE:3: what is wrong`,
-    no traceback, before torch is imported (no model loaded, no server asked). A script of another schema (SCHEMAS)
-    gets the same rows with its own field names."""
+    """Line 3 of the training file (eval.py: of the test file) is bad: the script ends with exit status 2 and one
+    line, `FILE:3: what is wrong`, no traceback, before torch is imported (no model loaded, no server asked). A script
+    of another schema (SCHEMAS) gets the same rows with its own field names."""
     data = tmp_path / "data"
     data.mkdir()
+    split = SPLITS.get(script, "train")
     good, names, words = SCHEMAS.get(script, (GSM8K_ROW, {}, {}))
     said = words.get(said, said)
     for gsm8k, ours in names.items():
         line, said = line.replace(f'"{gsm8k}"', f'"{ours}"'), said.replace(f"'{gsm8k}'", f"'{ours}'")
     rows = [json.dumps(good), json.dumps(good), line, json.dumps(good)]
-    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
-    (data / "test.jsonl").write_text(json.dumps(good) + "\n")
+    for name in ("train", "test"):  # the other split: good rows
+        (data / f"{name}.jsonl").write_text("\n".join(rows if name == split else [json.dumps(good)]) + "\n")
     cmd = [PY, "-X", "importtime", os.path.join(ROOT, script), "--dataset", str(data), *SCRIPTS[script]()]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     lines = [x for x in (r.stdout + r.stderr).splitlines() if not x.startswith("import time:")]
-    assert r.returncode == 2 and lines[-1] == f"{data / 'train.jsonl'}:3: {said}", lines[-5:]
+    assert r.returncode == 2 and lines[-1] == f"{data / f'{split}.jsonl'}:3: {said}", lines[-5:]
     assert "Traceback" not in r.stderr and "torch" not in _imported(r.stderr)
 
 
