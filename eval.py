@@ -547,23 +547,25 @@ def generate_samples(
     return [res["completions"] for res in results]
 
 
-def openai_model(client, name: Optional[str]) -> str:
-    """The model a --base-url server is asked for: `name`, or the first it lists. Listing is also the check that the
-    server answers and takes the key, before any work: a clear error naming the URL otherwise."""
+def openai_model(client, name: Optional[str]) -> tuple[str, Optional[int]]:
+    """The model a --base-url server is asked for: `name`, or the first it lists; and its context length, where the
+    listing gives it (vLLM's max_model_len), else None. Listing is also the check that the server answers and takes
+    the key, before any work: a clear error naming the URL otherwise."""
     import openai
 
     url = client.base_url
     try:
-        ids = [m.id for m in client.models.list(timeout=30)]
+        listed = {m.id: getattr(m, "max_model_len", None) for m in client.models.list(timeout=30)}
     except openai.AuthenticationError as e:
         raise SystemExit(f"the server at {url} refused the key ($VLLM_API_KEY, or EMPTY when unset): {e}") from e
     except openai.NotFoundError as e:
         raise SystemExit(f"the server at {url} has no /models route (does --base-url end in /v1?): {e}") from e
     except openai.APIConnectionError as e:
         raise SystemExit(f"no server answers at {url} (tried {client.max_retries + 1} times): {e}") from e
-    if not ids:
+    if not listed:
         raise SystemExit(f"the server at {url} lists no model")
-    return name or ids[0]
+    name = name or next(iter(listed))
+    return name, listed.get(name)
 
 
 def physical_gpu(index: int) -> str:
@@ -627,10 +629,10 @@ def start_vllm_server(args: Args, log_path: str):
     raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
 
 
-def connect(args: Args, console) -> tuple[str, object, str]:
+def connect(args: Args, console) -> tuple[str, object, str, Optional[int]]:
     """The server to evaluate: the --base-url one through the openai client, or vllm_sync_server.py (started first
-    with --start-server). Returns its URL, the client (None for vllm_sync_server.py) and the model it serves, with a
-    warning when that is not --model."""
+    with --start-server). Returns its URL, the client (None for vllm_sync_server.py), the model it serves, with a
+    warning when that is not --model, and its max_model_len (None: a --base-url server that does not list it)."""
     url = f"http://{args.vllm_host}:{args.vllm_port}"
     client = None
     if args.base_url:  # any OpenAI-compatible server; the client needs a key string, and vLLM ignores it when unkeyed
@@ -639,14 +641,15 @@ def connect(args: Args, console) -> tuple[str, object, str]:
         url = args.base_url
         key = os.environ.get("VLLM_API_KEY") or "EMPTY"
         client = openai.OpenAI(base_url=url, api_key=key, timeout=args.request_timeout_s, max_retries=args.max_retries)
-        served = openai_model(client, args.served_model_name)
+        served, max_model_len = openai_model(client, args.served_model_name)
     else:
         if args.start_server:
             start_vllm_server(args, "vllm_server.log")
-        served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json().get("model")
+        info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+        served, max_model_len = info.get("model"), info.get("max_model_len")
     if served != args.model:  # the tokenizer and template come from --model, the completions from the server
         console.print(f"[yellow]WARNING: the server at {url} serves {served!r}, not --model {args.model!r}")
-    return url, client, served
+    return url, client, served, max_model_len
 
 
 def saved_args(path: str) -> dict:
@@ -710,6 +713,17 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
     if args.grade_workers < 1:
         raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
+
+
+def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
+    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
+    server would refuse that prompt's requests steps later."""
+    if longest_prompt + max_completion_tokens > max_model_len:
+        raise SystemExit(
+            f"--max-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
+            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
+            "--max-model-len"
+        )
 
 
 DEFAULT_DATASET = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}
@@ -876,7 +890,7 @@ if __name__ == "__main__":
     start_time = time.time()
     console = Console()
     out = args.out or f"{args.task}_eval.jsonl"
-    url, client, served = connect(args, console)
+    url, client, served, max_model_len = connect(args, console)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # what every prompt looks like; goes into the summary
     template = render_prompt(tokenizer, args.system_prompt, "{question}")
@@ -888,7 +902,9 @@ if __name__ == "__main__":
     questions = [r[PROBLEM_FIELD[args.task]] for r in rows]
     golds = [r[gold_field_of(r, args.task)] for r in rows]
     prompts = [render_prompt(tokenizer, args.system_prompt, q) for q in questions]
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]  # as the server counts them
+    if max_model_len is not None:  # (a --base-url server that does not list it: not checked)
+        check_lengths(max(map(len, prompt_ids)), args.max_tokens, max_model_len)
 
     # 2) generate: n samples per problem, progress on stderr (stdout keeps the table)
     samples = generate_samples(args, url=url, client=client, served=served, questions=questions, prompt_ids=prompt_ids)

@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -442,6 +443,37 @@ def test_end_to_end_pass_at_k_sampled(server, tiny_model, tmp_path):
     assert [r["completions"] for r in again[:-1]] == [r["completions"] for r in rows]
 
 
+def too_long(max_tokens: int, longest: int) -> str:
+    """The refusal of a --max-tokens that 1024 tokens of context (the test servers' --max-model-len) cannot hold."""
+    return (
+        f"--max-tokens {max_tokens} after the longest prompt ({longest} tokens) exceeds the server's max_model_len "
+        "1024: lower it, or start the server with a larger --max-model-len"
+    )
+
+
+def longest_prompt(model: str, qs: list[str]) -> int:
+    """The most tokens a prompt of `qs` takes, as eval renders it (no system prompt) and as the server counts it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return max(len(tok.encode(E.render_prompt(tok, "", q), add_special_tokens=False)) for q in qs)
+
+
+def test_max_tokens_the_servers_context_cannot_hold_is_refused_at_start(server, tiny_model, tmp_path):
+    """The server's max_model_len (1024, from /runtime_version) minus the longest of the 4 prompts is the most
+    --max-tokens may be: one more is refused before any request, with both numbers; exactly that runs, and the server
+    takes every request (it would refuse one token more itself)."""
+    longest = longest_prompt(tiny_model, questions("gsm8k", 4))
+    args = ["--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"), "--vllm-port", server.rsplit(":")[-1]]
+    args += ["--limit", "4"]
+    over = [PY, SCRIPT_PATH, *args, "--max-tokens", str(1025 - longest)]
+    r = subprocess.run(over, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == too_long(1025 - longest, longest), r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "gsm8k_eval.jsonl") and "generating" not in r.stderr
+    lines, printed, _ = run_eval(tmp_path, *args, "--max-tokens", str(1024 - longest), out="gsm8k_eval.jsonl")
+    check_output(lines, printed, n=1, limit=4, max_tokens=1024 - longest, task="gsm8k")
+
+
 def test_end_to_end_start_server(tiny_model, tmp_path):
     """--start-server launches vllm_sync_server.py itself, evaluates, and stops it at exit."""
     port = free_port()
@@ -598,6 +630,38 @@ def test_base_url_wrong_key_is_a_clear_error(openai_server, toy_model, tmp_path)
         r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode != 0 and "refused the key" in r.stderr and openai_server in r.stderr, r.stderr[-2000:]
         assert not os.path.exists(tmp_path / "gsm8k_eval.jsonl")
+
+
+def test_base_url_max_tokens_over_the_listed_context_is_refused_at_start(openai_server, toy_model, tmp_path):
+    """vLLM lists the model's max_model_len in /v1/models (1024 here): a --max-tokens that the longest prompt leaves no
+    room for is refused before any completion is asked for."""
+    longest = longest_prompt(toy_model, questions("gsm8k", 8, "gsm8k_toy"))
+    cmd = [PY, SCRIPT_PATH, "--model", toy_model, "--base-url", openai_server, *TOY_ARGS, "--max-tokens", "1024"]
+    r = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_API_KEY": KEY}
+    )
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == too_long(1024, longest), r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "gsm8k_eval.jsonl") and "generating" not in r.stderr
+
+
+def fake_client(listed: list[tuple[str, int | None]]):
+    """An openai client whose server lists the models `listed`: (id, its max_model_len, or None where not listed)."""
+    import openai
+
+    card = {"created": 0, "object": "model", "owned_by": "x"}
+    models = [
+        openai.types.Model.model_validate({"id": i, **card} | ({"max_model_len": n} if n else {})) for i, n in listed
+    ]
+    return SimpleNamespace(base_url="http://x/v1", max_retries=0, models=SimpleNamespace(list=lambda timeout: models))
+
+
+def test_openai_model_gives_the_listed_context_length_or_none():
+    """A server that lists max_model_len (vLLM does) gives it for the model asked for; one that does not, None: the
+    length check is then skipped."""
+    client = fake_client([("a", 1024), ("b", 4096)])
+    assert E.openai_model(client, None) == ("a", 1024) and E.openai_model(client, "b") == ("b", 4096)
+    client = fake_client([("a", None)])
+    assert E.openai_model(client, None) == ("a", None) and E.openai_model(client, "other") == ("other", None)
 
 
 def test_base_url_server_down_is_a_clear_error_in_bounded_time(toy_model, tmp_path):
