@@ -59,7 +59,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
+import sys
 import time
 import urllib.parse
 from collections import Counter
@@ -464,7 +466,8 @@ def pop_records(r, args: Args, version: int, vocab_size: int, counts: Counter, w
     """Pop records from the queue until --batch-size of them can be trained on: each is decoded and checked
     (decode_record), a record ahead of this learner's `version` is rejected, one whose lag is past --max-lag dropped.
     `counts` (trained, dropped, rejected) grows. Returns the records to train on, the lags popped (lag -> records),
-    the seconds spent waiting for the queue, and one rollout-log line per record popped."""
+    the seconds spent waiting for the queue, and one rollout-log line per record popped. After a stop (request_stop),
+    5 s of an empty queue give the step up: the records are None, and those popped for it are lost (counted lost)."""
     records = []
     lags = Counter()
     t_wait = 0.0
@@ -474,6 +477,10 @@ def pop_records(r, args: Args, version: int, vocab_size: int, counts: Counter, w
         tw = time.time()
         item = with_retries("BLPOP", where, lambda: r.blpop([args.queue_key], timeout=5))
         t_wait += time.time() - tw
+        if item is None and STOP_REQUESTS:  # stopped, and the queue is dry: no batch will come
+            print(f"the queue is dry: the step is given up, and the {len(records)} records popped for it are lost")
+            counts.update(trained=-len(records), lost=len(records))
+            return None, lags, t_wait, popped_log
         if item is None:  # nothing for 5 s: say so every 30 s
             if time.time() - last_note > 30:
                 print(f"waiting for records in {args.queue_key}", flush=True)
@@ -613,9 +620,8 @@ def init_weight_sync(urls: list[str], device, sync_host: Optional[str] = None) -
     dtypes = {info["dtype"] for info in infos}
     if len(dtypes) != 1:
         raise RuntimeError(f"the servers compute in different dtypes {dtypes}: start them with the same --dtype")
-    for url, info in zip(
-        urls, infos, strict=True
-    ):  # NCCL on one end and gloo on the other never meet: say so before joining
+    # NCCL on one end and gloo on the other never meet: say so before joining
+    for url, info in zip(urls, infos, strict=True):
         if info["device"] != device.type:
             raise RuntimeError(
                 f"the server at {url} runs on {info['device']} and this learner on {device.type}: the "
@@ -737,7 +743,27 @@ def with_retries(what: str, where: str, fn):
             delay = min(2 * delay, 30.0)
 
 
+# Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,
+# torchrun forwarding its own); SLURM's --signal sends SIGUSR1 ahead of time. Either asks the loop to stop at the end
+# of the step in progress: it saves that step and exits with 128 + the signal, and --resume goes on from there.
+STOP_REQUESTS: list[int] = []  # the stop signals received, in order
+
+
+def request_stop(signum, frame) -> None:
+    """Handler of SIGTERM and SIGUSR1: the loop sees STOP_REQUESTS after the step in progress. A second signal ends
+    the run at once, as Ctrl-C does. (os.write: a print here could cut into a print the signal interrupted.)"""
+    STOP_REQUESTS.append(signum)
+    if len(STOP_REQUESTS) > 1:
+        signal.raise_signal(signal.SIGINT)
+        return
+    message = f"{signal.Signals(signum).name}: the step in progress finishes and is saved, then the run stops\n"
+    os.write(sys.stderr.fileno(), message.encode())
+
+
 # Logging and the run's files: its checkpoints, the arguments saved with them, its rollout log
+TRAINER_STATE = "trainer_state.pt"  # a checkpoint's last file: a step_N folder without it is incomplete
+
+
 def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
     """The step's metrics, to each of `loggers`: one printed line, W&B (wandb.init ran in main; text metrics such as
     lag_hist are printed only)."""
@@ -797,22 +823,51 @@ def write_rollouts(path: str, step: int, popped_log: list[dict]) -> None:
 def save_checkpoint(path: str, model, tokenizer, optimizer, counters: dict, run_args: dict) -> None:
     """A checkpoint at `path`: the model in Hugging Face format (vLLM and transformers load it as it is), the
     tokenizer, the run's arguments (--resume reads them) and trainer_state.pt (the optimizer, `counters`, torch's
-    random generator)."""
+    random generator). Written whole in `path`.tmp, then published under `path` at once (publish_checkpoint)."""
     import torch
 
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with open(os.path.join(path, "args.json"), "w") as f:
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # a save of this step cut short before
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "args.json"), "w") as f:
         json.dump(run_args, f, indent=1)
     state = {"optimizer": optimizer.state_dict(), **counters, "torch_rng": torch.get_rng_state()}
-    torch.save(state, os.path.join(path, "trainer_state.pt"))
+    torch.save(state, os.path.join(tmp, TRAINER_STATE))
+    publish_checkpoint(tmp, path)
 
 
-def checkpoint_steps(checkpoint_dir: str) -> list[int]:
-    """The steps N of the step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(int(d[5:]) for d in os.listdir(checkpoint_dir) if re.fullmatch(r"step_\d+", d))
+def publish_checkpoint(tmp: str, path: str) -> None:
+    """The checkpoint written in the folder `tmp` becomes the checkpoint `path` in one step: every file is flushed to
+    disk (fsync), then one rename, which POSIX makes atomic, then the folder that holds both is flushed too. A kill at
+    any moment (out of memory, a preemption, a node lost) leaves the whole checkpoint or none of it, and a `tmp` that
+    the next save of that step replaces. A `path` already there was cut short by an older save (checkpoint_steps skips
+    it): it goes first."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(fd)  # the rename itself, on disk
+    os.close(fd)
+
+
+def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
+    """The steps N of the complete step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none).
+    publish_checkpoint puts only whole checkpoints there, so anything else was cut short: a step_N.tmp, or a step_N
+    without its trainer state (copied in part, or saved by an older version of this script). It is skipped, and with
+    `say` named in one line."""
+    steps = []
+    for name in sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []:
+        path = os.path.join(checkpoint_dir, name)
+        if re.fullmatch(r"step_\d+", name) and os.path.exists(os.path.join(path, TRAINER_STATE)):
+            steps.append(int(name[5:]))
+        elif say and re.fullmatch(r"step_\d+(\.tmp)?", name):
+            print(f"skipped {path}: cut short while it was saved (no {TRAINER_STATE})", flush=True)
+    return sorted(steps)
 
 
 def saved_args(path: str) -> dict:
@@ -828,13 +883,7 @@ def saved_args(path: str) -> dict:
     return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
 
 
-COUNTS = (  # the flags that count something: each must be 1 or more
-    "batch_size",
-    "micro_token_budget",
-    "max_seq_len",
-    "sync_every_steps",
-    "save_every",
-)
+COUNTS = ("batch_size", "micro_token_budget", "max_seq_len", "sync_every_steps", "save_every")  # each must be >= 1
 
 
 def parse_args() -> Args:
@@ -889,7 +938,7 @@ if __name__ == "__main__":
         raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     run_args = dataclasses.asdict(args)  # saved with every checkpoint
     check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir) if args.resume else []
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
     if ckpts and ckpts[-1] >= args.train_steps:
         print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
         raise SystemExit(0)
@@ -905,16 +954,8 @@ if __name__ == "__main__":
             f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this learner computes in bf16 "
             "autocast"
         )
-    print(
-        f"training on {device}"
-        + (
-            ""
-            if device.type == "cuda"
-            else " (no CUDA GPU visible: training on a GPU needs "
-            "torch built for CUDA and a CUDA 13 driver, see requirements.txt)"
-        ),
-        flush=True,
-    )
+    no_gpu = " (no CUDA GPU visible: a GPU needs torch built for CUDA and a CUDA 13 driver, see requirements.txt)"
+    print(f"training on {device}" + ("" if device.type == "cuda" else no_gpu), flush=True)
     where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
     r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
     with_retries("PING", where, r.ping)
@@ -937,23 +978,18 @@ if __name__ == "__main__":
     vocab_size = model.get_input_embeddings().num_embeddings
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     if load_from != args.model:
-        state_path = os.path.join(load_from, "trainer_state.pt")
+        state_path = os.path.join(load_from, TRAINER_STATE)
         state = torch.load(state_path, map_location="cpu", weights_only=True)  # saved from any device
         optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        version = state["version"]
-        counts = Counter(state["counts"])
+        step, version, counts = state["step"], state["version"], Counter(state["counts"])
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed from {load_from} at step {step}", flush=True)
 
     # the servers' group, then our weights first: above every version the servers (and the queue) have seen
     print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
     sync = init_weight_sync(args.vllm_urls, device, args.sync_host)
-    served = [
-        requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()["version"]
-        for url in args.vllm_urls
-    ]
-    version = max([version, *served]) + 1
+    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
+    version = max([version, *(info["version"] for info in served)]) + 1
     push_weights(sync, model, version)
     if args.verify_sync:
         verify_weights(sync, model)
@@ -965,10 +1001,14 @@ if __name__ == "__main__":
 
     start_time = time.time()
     first_step = step
-    while step < args.train_steps:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    while step < args.train_steps and not STOP_REQUESTS:
         t0 = time.time()
         # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
         records, lags, t_wait, popped_log = pop_records(r, args, version, vocab_size, counts, where)
+        if records is None:  # a stop came while the queue was dry: this step is given up (the last one saved below)
+            break
 
         # 2) which records the update sees, and which of their tokens get a gradient
         batch = make_batch(records, args)
@@ -1014,8 +1054,15 @@ if __name__ == "__main__":
             write_rollouts(args.rollout_log, step, popped_log)
         if step % args.save_every == 0 or step == args.train_steps:
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            save_checkpoint(
-                path, model, tokenizer, optimizer, {"step": step, "version": version, "counts": dict(counts)}, run_args
-            )
+            counters = {"step": step, "version": version, "counts": dict(counts)}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
             prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)
+    if STOP_REQUESTS and step < args.train_steps:  # the last step taken is saved (if it is not yet), then the run ends
+        if step and step not in checkpoint_steps(args.checkpoint_dir):
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            counters = {"step": step, "version": version, "counts": dict(counts)}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
+        raise SystemExit(128 + STOP_REQUESTS[0])
