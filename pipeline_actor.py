@@ -61,7 +61,9 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -86,7 +88,7 @@ class Args:
     system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
     """system prompt of every conversation ("" for none)"""
     max_steps: Optional[int] = None
-    """push this many groups, then exit (default: run until killed)"""
+    """push this many groups, then exit (default: run until stopped, e.g. by SIGTERM)"""
 
     # Algorithm specific arguments
     group_size: int = 8
@@ -298,6 +300,7 @@ def warm_up_grader() -> None:
     # pebble ends a worker past the backstop with SIGTERM, and 3 s later SIGKILL; its own SIGTERM handler is Python,
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
     # imports sympy and builds math-verify's parsers (~1 s of CPU)
     grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")
 
@@ -399,6 +402,20 @@ def server_version(urls: list[str]) -> int:
     return min(versions)
 
 
+def longest_prompt(url: str, questions: list[str], system_prompt: str, threads: int) -> int:
+    """The tokens of the longest prompt among `questions`, counted as the server at `url` counts a /generate request's
+    messages: the chat template of chat_messages applied, then tokenized without special tokens. The actor has no
+    tokenizer: vLLM's /tokenize route does both, for each distinct question, `threads` at a time."""
+    body = {"add_generation_prompt": True, "add_special_tokens": False}
+
+    def count(question: str) -> int:
+        messages = chat_messages(system_prompt, question)
+        return post(url, "/tokenize", {**body, "messages": messages}, timeout=60).json()["count"]
+
+    with ThreadPoolExecutor(threads) as pool:
+        return max(pool.map(count, set(questions)))
+
+
 def with_retries(what: str, where: str, fn):
     """Run a Redis call; while Redis is unreachable, say so and retry with exponential backoff (1 s .. 30 s)."""
     import redis
@@ -414,13 +431,87 @@ def with_retries(what: str, where: str, fn):
 
 
 def load_split(dataset: str, split: str) -> list[dict]:
-    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema."""
+    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row is
+    checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
+    index)."""
     if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
-        with open(os.path.join(dataset, f"{split}.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    import datasets
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
 
-    return list(datasets.load_dataset(dataset, "main", split=split))
+        rows = [
+            (f"{dataset} {split}[{i}]", row)
+            for i, row in enumerate(datasets.load_dataset(dataset, "main", split=split))
+        ]
+    for where, row in rows:
+        if problem := row_problem(row, "question", "answer") or gold_problem(row["answer"]):
+            refuse(f"{where}: {problem}")
+    return [row for _, row in rows]
+
+
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
+    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
+    problem not empty."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    for name in (problem_field, gold_field):
+        if name not in row:
+            return f"no '{name}' field"
+        if not isinstance(row[name], str):
+            return f"'{name}' is not a string but {type(row[name]).__name__}"
+    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
+
+
+def gold_problem(answer: str) -> Optional[str]:
+    """What keeps grade from reading a GSM8K gold answer, or None: its final answer (after '####', or the whole field)
+    must be a number, as every GSM8K answer is."""
+    final = re.sub(r"[,\s]", "", answer.split("####")[-1])
+    return None if re.fullmatch(NUM, final) else f"'answer' ends in no number ('#### 42'): {final[:40]!r}"
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
+    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
+    server would refuse that prompt's requests steps later."""
+    if longest_prompt + max_completion_tokens > max_model_len:
+        raise SystemExit(
+            f"--max-completion-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
+            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
+            "--max-model-len"
+        )
+
+
+# Stopping. SIGTERM (kill, a cluster's preemption) or SIGUSR1 (SLURM's --signal, ahead of time): the actor submits no
+# new group, finishes those in flight (generated, graded, pushed) and exits 0. A second signal ends it at once.
+STOP_REQUESTS: list[int] = []  # the stop signals received, in order
+
+
+def stop_submitting(signum, frame) -> None:
+    """Handler of SIGTERM and SIGUSR1: backpressure sees STOP_REQUESTS and lets no group be submitted; the loop ends
+    once the groups in flight are pushed. A second signal ends the actor at once, with 128 + the signal: the groups
+    not yet pushed are lost. (os.write: a print here could cut into a print the signal interrupted.)"""
+    STOP_REQUESTS.append(signum)
+    if len(STOP_REQUESTS) > 1:
+        os._exit(128 + signum)
+    message = f"{signal.Signals(signum).name}: the groups in flight are finished and pushed, then the actor stops\n"
+    os.write(sys.stderr.fileno(), message.encode())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -432,9 +523,11 @@ def chat_messages(system_prompt: str, question: str) -> list[dict]:
 
 
 def backpressure(versions_pushed: int, queue_len: int, submitted_records: int, args: Args) -> Optional[str]:
-    """Why the actor may not submit another group now, or None: the queue is over --max-queue, or the group would put
-    the actor more than --max-lag versions' worth of records ahead of the learner, which has pushed `versions_pushed`
-    versions since the actor started (the rule: see the docstring)."""
+    """Why the actor may not submit another group now, or None: a stop was requested (stop_submitting), the queue is
+    over --max-queue, or the group would put the actor more than --max-lag versions' worth of records ahead of the
+    learner, which has pushed `versions_pushed` versions since the actor started (the rule: see the docstring)."""
+    if STOP_REQUESTS:
+        return f"{signal.Signals(STOP_REQUESTS[0]).name}: no new group; those in flight are pushed, then the actor ends"
     if queue_len > args.max_queue:
         return f"the queue holds more than --max-queue {args.max_queue} records"
     allowance = (versions_pushed + args.max_lag + 1) * args.records_per_version
@@ -520,6 +613,10 @@ if __name__ == "__main__":
 
     # backpressure state: see the docstring for the rule
     version0 = server_version(args.vllm_urls)  # the version the servers served when this actor started
+    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
+    questions = [row["question"] for row in train]
+    longest = longest_prompt(args.vllm_urls[0], questions, args.system_prompt, args.concurrency)
+    check_lengths(longest, args.max_completion_tokens, min(info["max_model_len"] for info in served))
     version = version0  # the servers' current version
     queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
     submitted_records = queue_len  # records already in the queue count as submitted
@@ -540,6 +637,8 @@ if __name__ == "__main__":
         flush=True,
     )
 
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # from here on: finish the groups in flight, then end
+        signal.signal(signum, stop_submitting)
     while True:
         # 1) submit groups while the backpressure rule allows
         if time.monotonic() - last_poll > 0.2:  # the servers' version and the queue length, 5 times a second
@@ -563,7 +662,7 @@ if __name__ == "__main__":
             print(f"actor {actor_id}: waiting: {why}", flush=True)
             waiting = (why, time.time())
         if not inflight:
-            if args.max_steps is not None and pushed_groups >= args.max_steps:
+            if STOP_REQUESTS or (args.max_steps is not None and pushed_groups >= args.max_steps):
                 break
             time.sleep(0.1)
             continue
@@ -625,6 +724,6 @@ if __name__ == "__main__":
     pool.shutdown()
     print(
         f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
-        f"{time.time() - start:.1f}s",
+        f"{time.time() - start:.1f}s, {submitted_groups} submitted",
         flush=True,
     )

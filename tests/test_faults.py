@@ -94,6 +94,12 @@ BAD_ROWS = [  # line 3 of the training file, and what the refusal says of it
 SCRIPTS = {  # script: (its flags besides --dataset: nothing it could reach, nothing it could load)
     "grpo_gsm8k.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
     "eval.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
+    "pipeline_actor.py": lambda: [
+        "--redis-url",
+        f"redis://127.0.0.1:{free_port()}/0",
+        "--vllm-urls",
+        f"http://127.0.0.1:{free_port()}",
+    ],
     # (its evaluation set: the same folder, named from the test's working directory)
     "reinforce_math_fsdp2.py": lambda: [
         "--model",

@@ -674,3 +674,122 @@ def test_weights_changed_behind_the_learner_stop_it(toy, rds, tmp_path):
             m = metrics_of(out)
             assert code == 0 and stop is None and m[0]["lag_hist"] == "0:16", out[-3000:]
             assert float(m[0]["logprob_mismatch"]) > 1e-2, m
+
+
+# ---------------------------------------------------------------------------------------------------
+# stopping and refusing: SIGTERM to the actor, then to the learner (on the actor's records); a budget over the context
+class StoppedActor(NamedTuple):
+    code: int
+    seconds: float  # from the signal to the exit
+    log: str
+    pushed_at_signal: int  # the queue's counter of records pushed, read right after the signal
+    key: str
+
+
+@pytest.fixture(scope="module")
+def stopped_actor(toy, rds, tmp_path_factory) -> StoppedActor:
+    """An actor that never holds back (no lag or queue limit, 2 groups in flight) gets SIGTERM once 104 records are
+    in Redis; its queue then feeds the learner's preemption test."""
+    tmp = tmp_path_factory.mktemp("stopped_actor")
+    key = "stop"
+    unlimited = ("--max-lag", "1000000", "--max-queue", "1000000", "--concurrency", "2", "--actor-id", "s")
+    actor = start_actor([toy.url], rds.url, key, tmp / "actor.log", *unlimited)
+    try:
+        deadline = time.time() + 300
+        while int(rds.client.get(key + ":pushed") or 0) < 104:
+            assert actor.poll() is None and time.time() < deadline, log_tail(tmp / "actor.log")
+            time.sleep(0.05)
+        os.kill(actor.pid, signal.SIGTERM)  # the actor alone, as a pod's eviction does (its graders are its own)
+        t0 = time.time()
+        pushed = int(rds.client.get(key + ":pushed"))
+        code = actor.wait(120)
+        seconds = time.time() - t0
+    finally:
+        kill_actor(actor)
+    return StoppedActor(code, seconds, (tmp / "actor.log").read_text(), pushed, key)
+
+
+def test_actor_sigterm_pushes_the_groups_in_flight_and_exits_0(stopped_actor, rds):
+    """SIGTERM: the actor submits no new group, generates, grades and pushes those in flight, and exits 0 within
+    seconds. Every group it submitted is in Redis, whole (8 records each): the records pushed after the signal are
+    those of the groups in flight, at most 2 in flight and 2 being graded."""
+    s = stopped_actor
+    print(f"actor: exit {s.code} {s.seconds:.1f} s after SIGTERM")
+    assert s.code == 0 and s.seconds < 30, s.log[-3000:]
+    assert "waiting: SIGTERM: no new group; those in flight are pushed, then the actor ends" in s.log
+    groups, records, submitted = map(
+        int, re.search(r"done, (\d+) groups \((\d+) records\) .* (\d+) submitted", s.log).groups()
+    )
+    ids = [msgpack.unpackb(raw)["group_id"] for raw in rds.client.lrange(s.key, 0, -1)]
+    assert groups == submitted and records == 8 * groups == len(ids) == int(rds.client.get(s.key + ":pushed"))
+    assert sorted(set(ids)) == sorted(f"s/{g}" for g in range(groups)) and len(ids) == 8 * len(set(ids))
+    after = records - s.pushed_at_signal
+    print(f"actor: {after} records pushed after the signal")
+    assert 8 <= after <= 8 * 4, (s.pushed_at_signal, records)
+
+
+def test_learner_sigterm_saves_its_last_step_and_resume_goes_on(toy, rds, stopped_actor, tmp_path):
+    """The queue holds 3 batches and half of a 4th. SIGTERM at step 3 (the learner waiting for the rest of step 4's
+    batch, with --save-every 100): after 5 s of an empty queue it gives step 4 up (its 8 records popped are lost),
+    saves step 3 and exits 128 + SIGTERM. With 3 more batches queued, --resume goes on from step 3, with the step
+    counter, the record counts and the optimizer state (AdamW's step count) saved, to the final step 6."""
+    url, model = toy
+    key = stopped_actor.key
+    raws = rds.client.lrange(key, 0, 103)
+    rds.client.delete(key)
+    rds.client.rpush(key, *raws[:56])
+    flags = ("--train-steps", "6", "--batch-size", "16", "--max-lag", "1000000", "--save-every", "100")
+    log = tmp_path / "learner.log"
+    learner = start_logged(learner_cmd([url], model, rds.url, key, *flags), log, cwd=tmp_path)
+    try:
+        wait_for(log, "step 3:", learner)
+        while rds.client.llen(key):  # step 4 has popped the last 8 records: it waits for more
+            time.sleep(0.05)
+        learner.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        code = learner.wait(60)
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+    out = log.read_text()
+    print(f"learner: exit {code} {time.time() - t0:.1f} s after SIGTERM")
+    assert code == 128 + signal.SIGTERM and time.time() - t0 < 60, out[-3000:]
+    assert "the queue is dry: the step is given up, and the 8 records popped for it are lost" in out
+    assert "stopped by SIGTERM after step 3: --resume goes on from there" in out
+    assert L.checkpoint_steps(str(tmp_path / "ckpt")) == [3] and not list(tmp_path.glob("ckpt/*.tmp"))
+    state = torch.load(tmp_path / "ckpt" / "step_3" / L.TRAINER_STATE, weights_only=True)
+    assert state["step"] == 3 and state["counts"] == {"trained": 48, "lost": 8}, state["counts"]
+    rds.client.rpush(key, *raws[56:104])
+    out, m = run_learner([url], model, rds.url, key, tmp_path, *flags, "--resume")
+    assert "resumed from ckpt/step_3 at step 3" in out and len(m) == 3 and m[-1]["trained_total"] == "96", out[-3000:]
+    state = torch.load(tmp_path / "ckpt" / "step_6" / L.TRAINER_STATE, weights_only=True)
+    assert state["step"] == 6 and state["counts"] == {"trained": 96, "lost": 8}, state["counts"]
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {6}  # 3 steps saved + 3 resumed
+
+
+def test_actor_refuses_a_completion_budget_the_servers_context_cannot_hold(toy, rds, tmp_path):
+    """--max-completion-tokens one over what the server's max_model_len leaves after the longest prompt: the actor
+    stops at start, exit status 1, naming both numbers and the prompt's length, counted as the server counts it (the
+    model's chat template, then its tokenizer without special tokens, as computed here), before any record is
+    pushed."""
+    from transformers import AutoTokenizer
+
+    url, model = toy
+    tok = AutoTokenizer.from_pretrained(model)
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": row["question"]}], tokenize=False, add_generation_prompt=True
+        )
+        for row in read_jsonl(os.path.join(TOY, "train.jsonl"))
+    ]
+    longest = max(len(tok.encode(chat, add_special_tokens=False)) for chat in chats)
+    max_model_len = requests.get(url + "/runtime_version").json()["max_model_len"]
+    budget = max_model_len - longest + 1
+    cmd = actor_cmd([url], rds.url, "too_long", "--max-completion-tokens", str(budget), "--max-steps", "1")
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    said = (
+        f"--max-completion-tokens {budget} after the longest prompt ({longest} tokens) exceeds the server's "
+        f"max_model_len {max_model_len}"
+    )
+    assert r.returncode == 1 and said in r.stderr.splitlines()[-1], r.stdout[-2000:] + r.stderr[-2000:]
+    assert rds.client.llen("too_long") == 0 and rds.client.get("too_long:pushed") is None
