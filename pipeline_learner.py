@@ -750,14 +750,13 @@ STOP_REQUESTS: list[int] = []  # the stop signals received, in order
 
 
 def request_stop(signum, frame) -> None:
-    """Handler of SIGTERM and SIGUSR1: the loop sees STOP_REQUESTS after the step in progress. A second signal ends
-    the run at once, as Ctrl-C does. (os.write: a print here could cut into a print the signal interrupted.)"""
+    """Handler of SIGTERM and SIGUSR1: the loop sees STOP_REQUESTS after the step in progress. A repeated signal changes
+    nothing (a cluster that signals every process and torchrun, which forwards its own, send it twice); Ctrl-C stops
+    at once. (os.write: a print here could cut into a print the signal interrupted.)"""
+    if not STOP_REQUESTS:
+        message = f"{signal.Signals(signum).name}: the step in progress finishes and is saved, then the run stops\n"
+        os.write(sys.stderr.fileno(), message.encode())
     STOP_REQUESTS.append(signum)
-    if len(STOP_REQUESTS) > 1:
-        signal.raise_signal(signal.SIGINT)
-        return
-    message = f"{signal.Signals(signum).name}: the step in progress finishes and is saved, then the run stops\n"
-    os.write(sys.stderr.fileno(), message.encode())
 
 
 # Logging and the run's files: its checkpoints, the arguments saved with them, its rollout log
