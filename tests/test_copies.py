@@ -51,11 +51,14 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "update_policy": ("GRPO's loss, REINFORCE's over FSDP2's ranks, or the pipeline's off-policy one", [GRPO]),
     "step_metrics": ("one process's, or summed over the ranks", [GRPO]),
     "start_vllm_server": ("a server on its own GPU, one beside the trainer (sleep, LoRA), or eval's", []),
-    "check_lengths": ("the completion budget's flag: --max-completion-tokens, eval.py's --max-tokens", [(*ON_POLICY, "pipeline_actor.py")]),
+    "check_lengths": (
+        "the completion budget's flag: --max-completion-tokens, eval.py's --max-tokens",
+        [(*ON_POLICY, "pipeline_actor.py")],
+    ),
     "gold_problem": (
         "a GSM8K gold, a MATH solution's box (the FSDP2 trainer's), or eval.py's of either task (MATH: an answer, or a "
         "boxed solution)",
-        [GRPO],
+        [GSM8K],
     ),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
