@@ -93,6 +93,7 @@ BAD_ROWS = [  # line 3 of the training file, and what the refusal says of it
 ]
 SCRIPTS = {  # script: (its flags besides --dataset: nothing it could reach, nothing it could load)
     "grpo_gsm8k.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
+    "grpo_gsm8k_lora_one_gpu.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
     "eval.py": lambda: ["--model", "/nonexistent/model", "--vllm-port", str(free_port())],
     "pipeline_actor.py": lambda: [
         "--redis-url",
