@@ -7,6 +7,7 @@ the base stays within a budget."""
 
 import ast
 import difflib
+import functools
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,7 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
 }
 
 
+@functools.cache  # the scripts do not change during a test run: read them once
 def copies() -> dict[str, dict[str, str]]:
     """{name: {script: source}} of every top-level function and class defined in two scripts or more."""
     found = {}

@@ -598,7 +598,8 @@ def test_resume_skips_saves_cut_short_and_saves_over_them(preempted):
 def _save_forever(checkpoint_dir: str, model_dir: str, ready: int) -> None:
     """A forked child: a one-rank gloo group, the script's FSDP2 model (setup_model) and an AdamW with state (lr 0:
     the weights stay the model's); once ready, what a run does at a step's end, as fast as it can: save step N + 1
-    after the newest complete step N, then prune to the newest 2. It never returns: the test kills it."""
+    after the newest complete step N, then prune to the newest 2, and say so on `ready` (one byte a save). It never
+    returns: the test kills it."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -618,6 +619,7 @@ def _save_forever(checkpoint_dir: str, model_dir: str, ready: int) -> None:
         path = os.path.join(checkpoint_dir, f"step_{step}")
         R.save_checkpoint(path, model, tokenizer, optimizer, counters, {"seed": 1}, 0)
         R.prune_checkpoints(checkpoint_dir, 2)
+        os.write(ready, b".")
 
 
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp_path):
@@ -625,7 +627,9 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp
     loop of saves (most land inside a save: they leave its .tmp folder), each in a fresh child. After each, the newest
     checkpoint checkpoint_steps offers loads whole: the Hugging Face model holds the weights saved, rank0.pt its step,
     and the DCP shards the weights and Adam's moments; once a checkpoint exists one always does (pruning keeps the
-    newest); and the next save of a step whose save was cut short succeeds."""
+    newest); and the next save of a step whose save was cut short succeeds. No race with the machine's speed: the
+    first child is killed only after a save has finished, and the moments of the kills are drawn in units of that
+    save's measured time."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers.utils import logging as transformers_logging
@@ -638,13 +642,18 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp
     os.makedirs(checkpoint_dir)
     rng = random.Random(0)
     mid_save = 0  # kills that left a save's .tmp behind
+    save_s = None  # how long one save takes here (the first child's first)
     for kill in range(24):
         ready, ready_w = os.pipe()
         child = mp.get_context("fork").Process(target=_save_forever, args=(checkpoint_dir, toy_model, ready_w))
         child.start()
         try:
-            assert select.select([ready], [], [], 120)[0], "the child did not set up"
-            time.sleep(rng.uniform(0.02, 0.5))
+            assert select.select([ready], [], [], 120)[0] and os.read(ready, 1) == b"!", "the child did not set up"
+            if save_s is None:  # a complete checkpoint from now on
+                t0 = time.time()
+                assert select.select([ready], [], [], 120)[0], "no save finished within 120 s"
+                save_s = time.time() - t0
+            time.sleep(rng.uniform(0.05, 1.5) * save_s)
         finally:
             os.kill(child.pid, signal.SIGKILL)
             child.join()
@@ -652,7 +661,7 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp
             os.close(ready_w)
         mid_save += any(name.endswith(".tmp") for name in os.listdir(checkpoint_dir))
         steps = R.checkpoint_steps(checkpoint_dir)
-        assert steps or kill < 3, f"no complete checkpoint after {kill + 1} kills: {os.listdir(checkpoint_dir)}"
+        assert steps, f"no complete checkpoint after {kill + 1} kills: {os.listdir(checkpoint_dir)}"
         if steps:
             newest = os.path.join(checkpoint_dir, f"step_{steps[-1]}")
             assert max_abs_diff(expected, load_weights(newest)) == 0, newest
