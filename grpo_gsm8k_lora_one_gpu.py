@@ -277,21 +277,13 @@ def policy_loss(
         per_token = per_token * w
     masked = None  # [B]: the sequences masked importance sampling leaves without a gradient
     if mis_low is not None or mis_high is not None:
-        seq_w = torch.exp(((old_logprobs - sampling_logprobs) * mask).sum(1))  # [B], pi_old / pi_vllm per sequence
-        masked = (seq_w < (mis_low if mis_low is not None else 0.0)) | (seq_w > (mis_high or float("inf")))  # [B]
+        masked = mis_masked(old_logprobs, sampling_logprobs, mask, mis_low, mis_high)  # [B]
         per_token = per_token * (~masked).to(per_token.dtype).unsqueeze(1)
     if beta:
         d = ref_logprobs - logprobs  # [B, T]
         kl = torch.exp(d) - d - 1  # [B, T], >= 0
         per_token = per_token + beta * kl
-    if loss_type in ("grpo", "gspo"):
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type in ("dapo", "cispo"):
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
-    else:
-        raise ValueError(loss_type)
+    loss = aggregate(per_token, mask, loss_type, max_completion_length)
     if stats is not None:  # sums over tokens (and sequences), so micro-batches add up
         for key, x in [
             ("clipped_tokens", (ratio != clipped).float()),
@@ -303,6 +295,27 @@ def policy_loss(
         if masked is not None:  # the sequences with a token to train that lost their gradient
             stats["mis_masked"] = stats.get("mis_masked", 0.0) + (masked & (mask.sum(1) > 0)).sum().item()
     return loss
+
+
+def mis_masked(old_logprobs, sampling_logprobs, mask, mis_low, mis_high):
+    """Masked importance sampling: the sequences [B] whose weight pi_old / pi_vllm, the product over their tokens,
+    lies outside [mis_low, mis_high] (None: no bound on that side)."""
+    import torch
+
+    seq_w = torch.exp(((old_logprobs - sampling_logprobs) * mask).sum(1))  # [B]
+    too_low = seq_w < mis_low if mis_low is not None else torch.zeros_like(seq_w, dtype=torch.bool)
+    return too_low | (seq_w > mis_high if mis_high is not None else torch.zeros_like(too_low))
+
+
+def aggregate(per_token, mask, loss_type, max_completion_length=None):
+    """The loss from the token losses per_token [B, T] on the tokens of `mask` [B, T], as `loss_type` averages them."""
+    if loss_type in ("grpo", "gspo"):  # each sequence's token mean, then the mean over sequences
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    if loss_type in ("dapo", "cispo"):  # the mean over all tokens of the batch
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":  # a constant divisor: B * the completion budget
+        return (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+    raise ValueError(loss_type)
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
