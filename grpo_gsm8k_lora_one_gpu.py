@@ -2049,7 +2049,8 @@ if __name__ == "__main__":
     progress = start_progress(args.train_steps, step)
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
         signal.signal(signum, request_stop)
-    while step < args.train_steps and not STOP_REQUESTS:
+    stopping = False  # a stop signal seen at the end of a step (request_stop): that step is saved and the loop ends
+    while step < args.train_steps and not stopping:
         t0 = time.time()
         # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
         rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
@@ -2151,7 +2152,8 @@ if __name__ == "__main__":
             metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
         log_metrics(metrics, step, loggers)
         show_progress(progress, step, metrics)
-        if step % args.save_every == 0 or step == args.train_steps or STOP_REQUESTS:
+        stopping = bool(STOP_REQUESTS)  # read once: a signal from here on is seen after the next step
+        if step % args.save_every == 0 or step == args.train_steps or stopping:
             counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
             path = os.path.join(args.checkpoint_dir, f"step_{step}")
             save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
