@@ -581,6 +581,17 @@ def test_sigterm_saves_the_last_step_and_resume_equals_an_uninterrupted_run(toy,
     assert max_abs_diff(load_weights(stopped / "ckpt" / "step_6"), load_weights(straight / "ckpt" / "step_6")) < 1e-6
 
 
+def test_a_completion_budget_the_server_cannot_hold_is_refused_at_start(toy, tmp_path):
+    """--max-completion-tokens past the server's max_model_len (1024) after the longest prompt is refused at the
+    start, with both numbers, before a step is taken (every other run here, at 16, goes on)."""
+    cmd = script_cmd(toy.url, "--train-steps", "1", "--max-completion-tokens", "1020", model=toy.model)
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = "--max-completion-tokens 1020 after the longest prompt ("
+    tail = "exceeds the server's max_model_len 1024: lower it, or start the server with a larger --max-model-len"
+    assert r.returncode == 1 and said in r.stderr and tail in r.stderr, r.stderr[-3000:]
+    assert "step 1:" not in r.stdout and not (tmp_path / "ckpt").exists()
+
+
 def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
     """Run B's step-3 weights equal those of run C, the same 3 steps straight: resuming restores the step, the data
     position, the RNG and the optimizer state (Adam's moments change the update). And step 3 did move the weights."""
