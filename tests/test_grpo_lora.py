@@ -83,17 +83,24 @@ def checkpoint_root(toy) -> Path:
 def lora_model(path: str, seed: int = 0):
     """The toy model with rank-8 adapters whose B is random (a fresh adapter has B = 0 and changes nothing): the
     policy differs from the base, so a server still running the base would fail the comparisons."""
-    import tyro
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(seed)
+    return model, with_lora(model)
+
+
+def with_lora(model):
+    """`model` with the script's LoRA adapters (add_lora, the flags of LORA), B drawn at random instead of 0: the
+    adapted policy differs from the base. Returns the peft model."""
+    import tyro
+
     peft_model = G.add_lora(model, tyro.cli(G.Args, args=list(LORA)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    return model, peft_model
+    return peft_model
 
 
 def merged_reference(base_dir, adapter_dir) -> dict:
@@ -140,7 +147,6 @@ def bf16_lora_model(seed: int = 0):
     """A small Qwen2 built here in bf16 (the dtype a LoRA run's base travels in) with the script's rank-8 adapters on
     every linear layer: fp32 adapters (peft's), B random, so (alpha / r) B A moves most weights by a bf16 step or more
     (|W| ~ 0.02, a step there ~1e-4)."""
-    import tyro
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -154,12 +160,7 @@ def bf16_lora_model(seed: int = 0):
         tie_word_embeddings=True,
     )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    peft_model = G.add_lora(model, tyro.cli(G.Args, args=list(LORA)))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return model, peft_model
+    return model, with_lora(model)
 
 
 def merged_once(model) -> dict:
