@@ -141,17 +141,28 @@ def pass_ks(n: int) -> list[int]:
     return [2**j for j in range(n.bit_length())]
 
 
-def summarize(correct: list[list[bool]], parse_error: list[list[bool]], tokens: list[list[int]]) -> dict:
-    """Per-problem lists of n samples -> the reported metrics. `accuracy` scores the first sample of each
-    problem (greedy at temperature 0); the rates and lengths average over all samples."""
-    flat = lambda xs: [x for row in xs for x in row]  # noqa: E731
+def last_number_right(completion: str, gold_answer: str) -> bool:
+    """Whether the completion's last number equals a numeric gold answer, boxed or not: "3 + 4 = 7" is right for 7.
+    Beside `accuracy` (the boxed answer, as training rewards it) it tells the arithmetic from the format."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", completion)
+    with contextlib.suppress(ValueError):  # a gold that is not a number (MATH's \frac{1}{2}): never right
+        return bool(numbers) and float(numbers[-1].replace(",", "")) == float(gold_answer.replace(",", ""))
+    return False
+
+
+def summarize(verdicts: dict[str, list[list]]) -> dict:
+    """[problems][n] verdicts (correct, parse_error, last_number_right, tokens) -> the metrics. `accuracy` and
+    `last_number_accuracy` score each problem's first sample (greedy at temperature 0); rates and lengths, all."""
+    flat = {key: [x for row in per_sample for x in row] for key, per_sample in verdicts.items()}
+    correct = verdicts["correct"]
     n = len(correct[0])
     m = {
         "accuracy": sum(row[0] for row in correct) / len(correct),
-        "correct_rate": sum(flat(correct)) / len(flat(correct)),
-        "parse_err_rate": sum(flat(parse_error)) / len(flat(parse_error)),
-        "avg_completion_length": sum(flat(tokens)) / len(flat(tokens)),
-        "total_completion_tokens": sum(flat(tokens)),
+        "last_number_accuracy": sum(row[0] for row in verdicts["last_number_right"]) / len(correct),
+        "correct_rate": sum(flat["correct"]) / len(flat["correct"]),
+        "parse_err_rate": sum(flat["parse_error"]) / len(flat["parse_error"]),
+        "avg_completion_length": sum(flat["tokens"]) / len(flat["tokens"]),
+        "total_completion_tokens": sum(flat["tokens"]),
     }
     for k in pass_ks(n):
         m[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct)
@@ -583,17 +594,9 @@ def physical_gpu(index: int) -> str:
 def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
-    cmd = [
-        sys.executable,
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
-        "--model",
-        args.model,
-        "--host",
-        args.vllm_host,
-        "--port",
-        str(args.vllm_port),
-        *shlex.split(args.server_args),
-    ]
+    server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py")
+    cmd = [sys.executable, server, "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port)]
+    cmd += shlex.split(args.server_args)
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -821,9 +824,7 @@ def write_results(
     golds: list[str],
     samples: list[list[dict]],
     texts: list[str],
-    correct: list[list[bool]],
-    parse_error: list[list[bool]],
-    tokens: list[list[int]],
+    verdicts: dict[str, list[list]],
     metrics: dict,
     served: str,
     dataset: str,
@@ -831,7 +832,8 @@ def write_results(
     start_time: float,
 ) -> None:
     """The JSONL file at `path`: one line per problem (its prompt, gold, completions, extracted answers and verdicts),
-    then a summary line: the metrics and what produced them. `texts`: the completions as graded, [problems * n]."""
+    then a summary line: the metrics and what produced them. `texts`: the completions as graded, [problems * n];
+    `verdicts`: a field of each line (correct, parse_error, ...) -> its [problems][n] values."""
     graded = per_problem(texts, args.n)
     with open(path, "w") as f:
         for i, row in enumerate(rows):
@@ -843,9 +845,7 @@ def write_results(
                 "gold_answer": gold_answer(golds[i], args.task),
                 "completions": [c["text"] for c in samples[i]],
                 "extracted": [extract_answer(t, args.strict_format) for t in graded[i]],
-                "correct": correct[i],
-                "parse_error": parse_error[i],
-                "tokens": tokens[i],
+                **{field: values[i] for field, values in verdicts.items()},
                 "finish_reason": [c["finish_reason"] for c in samples[i]],
             }
             f.write(json.dumps(record) + "\n")
@@ -915,8 +915,13 @@ if __name__ == "__main__":
     # /generate returns the token ids; a chat completion only their count
     tokens = [[len(c["token_ids"]) if "token_ids" in c else c["completion_tokens"] for c in cs] for cs in samples]
 
-    # 4) metrics: first-sample accuracy, rates over all samples, pass@k
-    metrics = summarize(correct, parse_error, tokens)
+    # 4) metrics: first-sample accuracy (boxed; and the last number, boxed or not), rates over all samples, pass@k
+    last_number = [
+        [last_number_right(t, gold_answer(g, args.task)) for t in ts]
+        for ts, g in zip(per_problem(texts, args.n), golds, strict=True)
+    ]
+    verdicts = {"correct": correct, "parse_error": parse_error, "last_number_right": last_number, "tokens": tokens}
+    metrics = summarize(verdicts)
 
     # 5) log: one JSONL line per problem, a summary line, a table
     write_results(
@@ -927,9 +932,7 @@ if __name__ == "__main__":
         golds=golds,
         samples=samples,
         texts=texts,
-        correct=correct,
-        parse_error=parse_error,
-        tokens=tokens,
+        verdicts=verdicts,
         metrics=metrics,
         served=served,
         dataset=dataset,

@@ -297,6 +297,7 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False, da
         "extracted",
         "correct",
         "parse_error",
+        "last_number_right",
         "tokens",
         "finish_reason",
     }
@@ -305,6 +306,7 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False, da
         assert all(
             len(row[k]) == n for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason")
         )
+        assert row["last_number_right"] == [naive_last_number_right(t, row["gold_answer"]) for t in row["completions"]]
         for text, ext, ok, bad, tok, fin in zip(
             *(row[k] for k in ("completions", "extracted", "correct", "parse_error", "tokens", "finish_reason")),
             strict=True,
@@ -321,6 +323,7 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False, da
 
     want = {
         "accuracy": sum(row["correct"][0] for row in rows) / limit,
+        "last_number_accuracy": sum(row["last_number_right"][0] for row in rows) / limit,
         "correct_rate": sum(flat("correct")) / (limit * n),
         "parse_err_rate": sum(flat("parse_error")) / (limit * n),
         "avg_completion_length": sum(flat("tokens")) / (limit * n),
@@ -340,6 +343,47 @@ def check_output(lines, printed, *, n, limit, max_tokens, task, strict=False, da
         for r, q in zip(rows, questions(task, limit, dataset), strict=True)
     )
     return rows, s
+
+
+def naive_last_number_right(text: str, gold: str) -> bool:
+    """The reference of last_number_right: walk the text backwards to the last digit, take the number it ends (digits,
+    thousands commas, a decimal point, a minus sign), compare as exact fractions."""
+    end = max((i for i, c in enumerate(text) if c.isdigit()), default=-1)
+    if end < 0:
+        return False
+    start = end
+    while start > 0 and (text[start - 1].isdigit() or text[start - 1] in ",."):
+        start -= 1
+    number = text[start : end + 1].lstrip(",.")
+    if start > 0 and text[start - 1] == "-":
+        number = "-" + number
+    if number.count(".") > 1:  # "1.2.3": the last number is what follows the last point
+        number = number.rsplit(".", 1)[1]
+    try:
+        return Fraction(number.replace(",", "")) == Fraction(gold.replace(",", ""))
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "text, gold, right",
+    [
+        ("3 + 4 = 7", "7", True),  # the right sum, unboxed
+        ("5 times 3 is \\boxed{15}.", "15", True),
+        ("7 apples and 8 pears", "7", False),  # the last number decides
+        ("The answer is -12", "-12", True),
+        ("about 1,250 people", "1250", True),
+        ("it costs 2.50", "2.5", True),
+        ("no number here", "3", False),
+        ("", "3", False),
+        ("x = 1/2", "\\frac{1}{2}", False),  # a gold that is not a number: never right
+        ("7 - 9", "9", True),  # "- 9" with a space is no negative number
+        ("7-9", "9", False),  # "7-9" ends in -9
+    ],
+)
+def test_last_number_right(text, gold, right):
+    assert E.last_number_right(text, gold) is right
+    assert naive_last_number_right(text, gold) is right
 
 
 def questions(task, limit, dataset=None):
