@@ -40,12 +40,16 @@ def test_demo_learns_and_says_where_its_files_are(tmp_path):
     assert "demo/checkpoints/step_30" in r.stdout
 
 
-def verdict(tmp_path, rewards: list[float]) -> subprocess.CompletedProcess:
-    """The demo's own chart-and-verdict code (its `<<'PY'` block, read from SCRIPT) on a train.log of these rewards."""
+def verdict(tmp_path, rewards: list[float], held_out: dict | None = None) -> subprocess.CompletedProcess:
+    """The demo's own chart-and-verdict code (its `<<'PY'` block, read from SCRIPT) on a train.log of these rewards,
+    and of these held-out accuracies ({step: accuracy}, logged as grpo_gsm8k.py logs its evaluations)."""
     text = Path(ROOT, SCRIPT).read_text()
     code = text.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
     log = tmp_path / "train.log"
-    log.write_text("".join(f"step {i}: loss=0.0 reward={r:.4f} step_s=1.0\n" for i, r in enumerate(rewards, 1)))
+    evals = {step: f"eval/accuracy={acc:.4f} eval/parse_err_rate=0" for step, acc in (held_out or {}).items()}
+    # as grpo_gsm8k.py logs them: the evaluation before training on a line of its own, a later one after its step's
+    steps = [f"step {i}: loss=0.0 reward={r:.4f} step_s=1.0 {evals.get(i, '')}\n" for i, r in enumerate(rewards, 1)]
+    log.write_text((f"step 0: {evals[0]}\n" if 0 in evals else "") + "".join(steps))
     return subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=60)
 
 
@@ -61,3 +65,20 @@ def test_demo_fails_on_a_flat_line(tmp_path):
         assert r.returncode == 1 and "NOT LEARNED" in r.stdout, (rewards, r.stdout + r.stderr)
     rise = verdict(tmp_path, [0.1] * 3 + [0.5] * 22 + [0.9] * 5)
     assert rise.returncode == 0 and "it learned" in rise.stdout, rise.stdout + rise.stderr
+
+
+def test_real_demo_verdict_is_the_held_out_rise(tmp_path):
+    """--real judges the held-out accuracy, not the reward: a rise of 25 points from the evaluation before training
+    passes; 24 points, a fall, or no evaluation before the first step fail, whatever the rewards did."""
+    rising_rewards = [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9]
+    cases = [
+        ({0: 0.21875, 5: 0.5, 10: 0.5}, 0),  # +28 points
+        ({0: 0.25, 5: 0.3, 10: 0.5}, 0),  # +25 points: the bar
+        ({0: 0.25, 5: 0.3, 10: 0.49}, 1),  # +24 points
+        ({0: 0.5, 5: 0.9, 10: 0.2}, 1),  # a fall at the end
+        ({5: 0.1, 10: 0.9}, 1),  # no accuracy before training to compare with
+    ]
+    for held_out, code in cases:
+        r = verdict(tmp_path, rising_rewards, held_out)
+        assert r.returncode == code and ("NOT LEARNED" in r.stdout) == bool(code), (held_out, r.stdout + r.stderr)
+        assert "held-out accuracy: " + ", ".join(f"{100 * a:.1f}% at step {s}" for s, a in held_out.items()) in r.stdout
