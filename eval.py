@@ -857,10 +857,8 @@ def write_results(
         f.write(json.dumps({"summary": summary}) + "\n")
 
 
-def print_results(
-    console, args: Args, metrics: dict, problems: int, template: str, out: str, start_time: float
-) -> None:
-    """The metrics as a table on stdout, then the model, its template and where the lines went."""
+def print_results(console, args: Args, metrics: dict, problems: int, template: str, out: str, started: float) -> None:
+    """The metrics as a table on stdout; then the model, its template, where the lines went and the time taken."""
     from rich.table import Table
 
     table = Table("metric", "value", title=f"{args.task} {args.split}: {problems} problems x {args.n}")
@@ -869,7 +867,7 @@ def print_results(
     console.print(table)
     console.print(
         f"model {args.model}, template {template!r}; {problems + 1} lines written to {out} "
-        f"in {time.time() - start_time:.1f}s",
+        f"in {time.time() - started:.1f}s",
         soft_wrap=True,
         markup=False,
     )
@@ -939,4 +937,4 @@ if __name__ == "__main__":
         template=template,
         start_time=start_time,
     )
-    print_results(console, args, metrics, problems=len(rows), template=template, out=out, start_time=start_time)
+    print_results(console, args, metrics, problems=len(rows), template=template, out=out, started=start_time)
