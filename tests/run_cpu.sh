@@ -9,7 +9,8 @@ bash tests/setup_cpu.sh
 "$VENV/bin/ruff" format --check --diff .
 "$VENV/bin/ruff" check .
 set +e
-"$VENV/bin/python" -m pytest tests -v -p no:cacheprovider "$@"
+# -v names each test; --durations=30 lists the 30 slowest, where the suite's time goes
+"$VENV/bin/python" -m pytest tests -v -p no:cacheprovider --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
