@@ -460,6 +460,7 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
     bad = False  # a non-finite loss or gradient: the step is skipped
     for it in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
+        pass_stats = stats if it == 0 else {"loss": 0.0}  # logged: pass 1's (pi_old); the clip: the last pass
         for m, idx in enumerate(micro):
             ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
             train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
@@ -491,7 +492,7 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 mis_low=args.mis_low,
                 mis_high=args.mis_high,
                 max_completion_length=args.max_completion_tokens,
-                stats=stats if it == 0 else None,
+                stats=pass_stats,
             )
             # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of the
             # samples fed, whatever the split (grpo, gspo, dr_grpo: a sum over sequences; dapo, cispo: over tokens)
@@ -502,8 +503,8 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 bad = True
                 break
             loss.backward()
-            if it == 0:
-                stats["loss"] += loss.item()
+            pass_stats["loss"] += loss.item()
+        stats["clipped_tokens"] = pass_stats.get("clipped_tokens", 0.0)  # pass 1's ratios are all 1: none clipped
         if it == 0 and check is not None and not bad:
             fed = tokens_fed(batch)  # before any update: a policy the server does not run teaches nothing
             check(stats["mismatch_sum"] / fed if fed else float("nan"))

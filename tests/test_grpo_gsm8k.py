@@ -518,6 +518,7 @@ def test_two_steps_log_checkpoint_and_sync(run_a):
     for x in m:  # the toy model's 128-token vocabulary bounds its entropy; its 16-token completions often hit the limit
         assert 0 < float(x["entropy"]) <= 4.86, x  # log(128) = 4.852
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m  # the trainer agrees with the sampler
+    assert all(float(x["clip_frac"]) == 0 for x in m), m  # one pass a step: every ratio is 1
     rollouts = run_a.rollouts
     assert len(rollouts) == 2 * 64 and {"completion", "reward", "advantage", "versions"} <= set(rollouts[0])
     assert run_a.server_matched_step_2
@@ -611,6 +612,17 @@ def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
     before = load_weights(run_b.workdir / "ckpt" / "step_2")
     assert max_abs_diff(resumed, straight) < 1e-6
     assert max_abs_diff(resumed, before) > 1e-4
+
+
+def test_clip_frac_counts_the_last_pass(toy, tmp_path):
+    """With --num-iterations 2, the second pass over the batch sees the ratios the first update moved: at a clip range
+    of 1e-6 nearly every trained token falls outside it, and clip_frac says so. Pass 1's ratios are all exactly 1: a
+    clip_frac read from it is 0 whatever the range (run A, one pass a step, logs 0)."""
+    clip = ("--clip-eps-low", "1e-6", "--clip-eps-high", "1e-6")
+    extra = ("--train-steps", "1", "--rollouts-per-update", "16", "--num-iterations", "2", *clip)
+    _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
+    assert float(m[0]["grad_norm"]) > 0, m  # some group had a gradient: the first update moved the weights
+    assert float(m[0]["clip_frac"]) > 0.5, m
 
 
 # (gspo's split takes grpo's path, a sum over sequences; cispo's takes the tokens' path under its own name)
