@@ -266,10 +266,8 @@ def plot(records: list[dict], png: str, title: str) -> None:
     if len(names) == 1:
         lines = {f"seed {r['seed']}": [r] for r in records}
     else:
-        lines = {
-            f"{name} ({sum(r['name'] == name for r in records)} seeds)": [r for r in records if r["name"] == name]
-            for name in names
-        }
+        runs_of = {name: [r for r in records if r["name"] == name] for name in names}
+        lines = {f"{name} ({len(runs)} seed{'s' * (len(runs) > 1)})": runs for name, runs in runs_of.items()}
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=120)
     for label, runs in lines.items():
         curves = [r["rewards"] for r in runs]
