@@ -443,6 +443,14 @@ def tokens_trained(batch: Batch) -> int:
     return max(1, sum(batch.trained[i] for i in batch.fed))
 
 
+def micro_batch_share(batch: Batch, idx: list, loss_type: str) -> float:
+    """policy_loss is a mean over a micro-batch: this weight rescales it so the micro-batches add up to the loss of the
+    samples fed, whatever the split (grpo, gspo, dr_grpo: a sum over sequences; dapo, cispo: over tokens)."""
+    if loss_type in ("dapo", "cispo"):
+        return sum(batch.trained[i] for i in idx) / tokens_trained(batch)
+    return len(idx) / max(1, len(batch.fed))
+
+
 def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check):
     """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
     the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
@@ -453,8 +461,6 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
-    n_fed = max(1, len(batch.fed))
-    n_trained = tokens_trained(batch)
     old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
     stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0}
     bad = False  # a non-finite loss or gradient: the step is skipped
@@ -494,11 +500,7 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 max_completion_length=args.max_completion_tokens,
                 stats=pass_stats,
             )
-            # policy_loss is a mean over this micro-batch: rescale so the micro-batches add up to the loss of the
-            # samples fed, whatever the split (grpo, gspo, dr_grpo: a sum over sequences; dapo, cispo: over tokens)
-            per_tokens = args.loss_type in ("dapo", "cispo")
-            weight = sum(batch.trained[i] for i in idx) / n_trained if per_tokens else len(idx) / n_fed
-            loss = loss * weight
+            loss = loss * micro_batch_share(batch, idx, args.loss_type)
             if not torch.isfinite(loss).item():
                 bad = True
                 break
