@@ -52,8 +52,13 @@ def free_port() -> int:
     outgoing connection) take their own ports from that range, so none of them can take this one in the seconds
     before the process it is meant for binds it (a server bound too late failed a CI run)."""
     lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # Under pytest-xdist (tests/run_cpu.sh: -n 2) each worker draws from its own slice of the range, so that two
+    # workers never hand out the same port in the seconds before its process binds it.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (lo - 10000) // workers
     for _ in range(200):
-        port = random.randrange(10000, lo) if lo > 11000 else 0
+        port = random.randrange(10000 + worker * width, 10000 + (worker + 1) * width) if width > 1000 else 0
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
