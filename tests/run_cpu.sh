@@ -11,8 +11,10 @@ bash tests/setup_cpu.sh
 set +e
 # -v names each test; --durations=30 lists the 30 slowest, where the suite's time goes. Two pytest-xdist workers
 # (TEST_WORKERS) each take a whole test module at a time (--dist loadscope: a module's servers and runs are set up
-# once): most tests wait on one process at a time, so two of them use a 2-core machine's second core.
-"$VENV/bin/python" -m pytest tests -v -p no:cacheprovider --durations=30 -n "${TEST_WORKERS:-2}" --dist loadscope "$@"
+# once), in the order of tests/conftest.py's pytest_collection_modifyitems (--no-loadscope-reorder): most tests wait
+# on one process at a time, so two of them use a 2-core machine's second core.
+"$VENV/bin/python" -m pytest tests -v -p no:cacheprovider --durations=30 \
+  -n "${TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
