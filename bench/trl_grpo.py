@@ -1,19 +1,23 @@
 """Benchmark: grpo_gsm8k.py side by side with TRL's GRPOTrainer on the same work, on the CPU, in one run.
 
-The same model (SmolLM2-135M-Instruct, float32: tests/real_model.py), data ("Repeat exactly: \\boxed{N}",
-tests/fixtures/gsm8k_repeat, the chat template with its own system message), reward (grpo_gsm8k.grade), batch
-(--rollouts prompts x --group completions a step, one optimizer step per batch), completion tokens, temperature 1,
-learning rate (constant, AdamW without weight decay, gradient norm clipped at 1), loss (GRPO: per-sequence means,
-clip 0.2, no KL, rewards scaled by the group's std) and activation checkpointing on both. What differs is the machinery:
-grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here first and counted in its time) and pushes
-the weights after each step; TRL 1.16 samples in-process with transformers' generate.
+The same model (SmolLM2-135M-Instruct, float32: tests/real_model.py), task (bench/arithmetic.py's: one-digit sums and
+products, tests/fixtures/arithmetic_one_digit_gsm8k, 96 training problems and 32 held out, the chat template with its
+own system message), reward (grpo_gsm8k.grade), batch (--rollouts prompts x --group completions a step, one optimizer
+step per batch), completion tokens, temperature, learning rate (constant, AdamW without weight decay, gradient norm
+clipped at 1), loss (GRPO: per-sequence means, clip 0.2, no KL, rewards scaled by the group's std), no activation
+checkpointing, and the held-out evaluation (greedy, all 32 problems, graded alike) before training and after every
+step. What differs is the machinery: grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here
+first and counted in its time) and pushes the weights after each step; TRL 1.16 samples in-process with transformers'
+generate, and its held-out answers come from transformers' generate too (a callback of this file's).
 
 TRL is not a dependency of this project: the benchmark installs trl==1.16.0 and accelerate==1.15.0 without their
 dependencies (the project's venv has them) into ~/.cache/cleanrlvr/trl-1.16.0 and runs TRL's side in a child process
 with that folder on PYTHONPATH; the project's venv is left as it was.
-Printed: reward per step for both, the median seconds a step (steps 2..), the time from launch to the first step whose
-mean reward reaches --threshold, and the ratios.
-Run: python bench/trl_grpo.py [--steps 8] [--rollouts 4] [--group 8] [--tokens 64] [--lr 2e-5] [--threshold 0.8]
+Printed: the training reward and the held-out accuracy per step for both, the median seconds a step (steps 2..), the
+time to the first held-out accuracy of --threshold or more (the start before the first step, then the steps up to that
+evaluation; the evaluations themselves are not counted), and the ratios.
+Run: python bench/trl_grpo.py [--steps 10] [--rollouts 8] [--group 8] [--tokens 48] [--temperature 0.6] [--lr 1e-5]
+     [--threshold 0.6]
 """
 
 import argparse
@@ -33,7 +37,7 @@ from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-DATASET = os.path.join(ROOT, "tests", "fixtures", "gsm8k_repeat")
+DATASET = os.path.join(ROOT, "tests", "fixtures", "arithmetic_one_digit_gsm8k")  # train.jsonl, test.jsonl (held out)
 TRL_DIR = os.path.expanduser("~/.cache/cleanrlvr/trl-1.16.0")
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
 SERVER_FLAGS = (
@@ -45,7 +49,7 @@ SERVER_FLAGS = (
     "--max-model-len",
     "1024",
 )
-STEP = re.compile(r"^step (\d+): .*\breward=(\S+).*\bstep_s=(\S+)")
+STEP = re.compile(r"^step (\d+): (.*)$")
 
 
 def free_port() -> int:
@@ -100,17 +104,26 @@ def run_ours(model: str, args, workdir: str) -> dict:
     cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
     cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
     cmd += [str(args.group), "--max-completion-tokens", str(args.tokens), "--learning-rate", str(args.lr)]
-    cmd += ["--seed", str(args.seed), "--system-prompt", "", "--eval-every", "0", "--save-every", "100000"]
-    cmd += ["--checkpoint-dir", "ckpt", "--rollout-log", "rollouts.jsonl", "--activation-checkpointing"]
+    cmd += ["--train-temperature", str(args.temperature), "--seed", str(args.seed), "--system-prompt", ""]
+    cmd += ["--eval-before-start", "--eval-every", "1", "--eval-limit", "None", "--save-every", "100000"]
+    cmd += ["--checkpoint-dir", "ckpt", "--no-activation-checkpointing", "--micro-token-budget", "4096"]
     steps = []
+    held_out = {}
+    first = None
     try:
         for since, line in timed_lines(cmd, cwd=workdir):
-            if m := STEP.match(line):
-                steps.append({"reward": float(m.group(2)), "step_s": float(m.group(3)), "since": server_s + since})
+            if not (m := STEP.match(line)):
+                continue
+            fields = dict(kv.split("=", 1) for kv in m.group(2).split())
+            held_out[int(m.group(1))] = float(fields["eval/accuracy"])
+            if "reward" in fields:
+                steps.append({"reward": float(fields["reward"]), "step_s": float(fields["step_s"])})
+            elif first is None:  # step 0: the evaluation before training, the trainer's start behind it
+                first = server_s + since
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-    return {"steps": steps, "start_s": server_s}
+    return {"steps": steps, "held_out": held_out, "start_s": first}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,20 +143,24 @@ def run_trl(model: str, args, workdir: str) -> dict:
     env = {**os.environ, "PYTHONPATH": TRL_DIR, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [PY, os.path.abspath(__file__), "--trl-child", "--model", model, "--steps", str(args.steps)]
     cmd += ["--rollouts", str(args.rollouts), "--group", str(args.group), "--tokens", str(args.tokens)]
-    cmd += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    cmd += ["--temperature", str(args.temperature), "--lr", str(args.lr), "--seed", str(args.seed)]
     steps = []
+    held_out = {}
     first = None
     for since, line in timed_lines(cmd, env=env, cwd=workdir):
         if line.startswith("step {"):
             record = json.loads(line[len("step ") :])
-            steps.append({**record, "since": since})
-        elif line.startswith("training starts") and first is None:
-            first = since
-    return {"steps": steps, "start_s": first}
+            held_out[record["step"]] = record["held_out"]
+            if record["step"] > 0:
+                steps.append(record)
+            else:
+                first = since
+    return {"steps": steps, "held_out": held_out, "start_s": first}
 
 
 def trl_child(args) -> None:
     """TRL's side: GRPOTrainer with the settings of grpo_gsm8k.py's run; a line per step on stdout: "step {json}"."""
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -152,22 +169,45 @@ def trl_child(args) -> None:
     grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grpo)  # its grade(), the reward both runs use
 
-    with open(os.path.join(DATASET, "train.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    data = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": r["question"]}], "gold": r["answer"]} for r in rows]
-    )
+    def rows_of(split: str) -> list[dict]:
+        with open(os.path.join(DATASET, f"{split}.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def chat(row: dict) -> list[dict]:
+        return [{"role": "user", "content": row["question"]}]
+
+    data = Dataset.from_list([{"prompt": chat(r), "gold": r["answer"]} for r in rows_of("train")])
+    test = rows_of("test")
 
     def reward(completions, gold, **_):
         return [grpo.grade(c[0]["content"], g).reward for c, g in zip(completions, gold, strict=True)]
 
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    @torch.no_grad()
+    def held_out_accuracy() -> float:
+        """Greedy answers to every held-out problem in one left-padded batch, graded as in training."""
+        texts = [tokenizer.apply_chat_template(chat(r), tokenize=False, add_generation_prompt=True) for r in test]
+        tokenizer.padding_side = "left"
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        was_training = model.training
+        model.eval()
+        out = model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        model.train(was_training)
+        answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        return sum(grpo.grade(a, r["answer"]).correct for a, r in zip(answers, test, strict=True)) / len(test)
+
     class StepLines(TrainerCallback):
+        """A line per step: its reward and seconds (generation, loss, update; the evaluation after it not counted)."""
+
         def on_step_begin(self, _args, state, control, **kw):
             self.t = time.time()
 
         def on_log(self, _args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 record = {"step": state.global_step, "reward": logs["reward"], "step_s": time.time() - self.t}
+                record["held_out"] = held_out_accuracy()
                 print("step " + json.dumps(record), flush=True)  # (the Trainer prints its own dicts too)
 
     config = GRPOConfig(
@@ -178,7 +218,7 @@ def trl_child(args) -> None:
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         max_completion_length=args.tokens,
-        temperature=1.0,
+        temperature=args.temperature,
         top_p=1.0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -188,7 +228,7 @@ def trl_child(args) -> None:
         beta=0.0,
         epsilon=0.2,
         scale_rewards="group",
-        gradient_checkpointing=True,
+        gradient_checkpointing=False,
         use_cpu=True,
         bf16=False,
         logging_steps=1,
@@ -196,8 +236,6 @@ def trl_child(args) -> None:
         report_to="none",
         seed=args.seed,
     )
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -206,7 +244,7 @@ def trl_child(args) -> None:
         processing_class=tokenizer,
         callbacks=[StepLines()],
     )
-    print("training starts", flush=True)
+    print("step " + json.dumps({"step": 0, "held_out": held_out_accuracy()}), flush=True)  # before training
     trainer.train()
 
 
@@ -214,22 +252,28 @@ def trl_child(args) -> None:
 
 
 def summary(name: str, run: dict, threshold: float) -> dict:
+    """The median seconds a step (the first step, with its warm-up, left out) and the time to the first held-out
+    accuracy at or above `threshold`: the start (launch to the evaluation before training, included) plus the steps up
+    to that evaluation."""
     rewards = [s["reward"] for s in run["steps"]]
+    held_out = [run["held_out"][k] for k in sorted(run["held_out"])]
     later = [s["step_s"] for s in run["steps"][1:]] or [s["step_s"] for s in run["steps"]]
-    reached = next((s["since"] for s in run["steps"] if s["reward"] >= threshold), None)
-    print(f"{name}: rewards {[round(r, 2) for r in rewards]}")
-    return {"step_s": statistics.median(later), "reached": reached, "last": rewards[-1]}
+    step = next((k for k in sorted(run["held_out"]) if run["held_out"][k] >= threshold), None)
+    reached = None if step is None else run["start_s"] + sum(s["step_s"] for s in run["steps"][:step])
+    print(f"{name}: rewards {[round(r, 2) for r in rewards]}, held out {[round(100 * a, 1) for a in held_out]}")
+    return {"step_s": statistics.median(later), "reached": reached, "step": step, "last": held_out[-1]}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="training steps of each run")
-    parser.add_argument("--rollouts", type=int, default=4, help="prompts a step")
+    parser.add_argument("--steps", type=int, default=10, help="training steps of each run")
+    parser.add_argument("--rollouts", type=int, default=8, help="prompts a step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--tokens", type=int, default=64, help="completion tokens at most")
-    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate")
+    parser.add_argument("--tokens", type=int, default=48, help="completion tokens at most")
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of training")
+    parser.add_argument("--lr", type=float, default=1e-5, help="learning rate")
     parser.add_argument("--seed", type=int, default=1, help="seed of both runs")
-    parser.add_argument("--threshold", type=float, default=0.8, help="the mean reward whose first step is timed")
+    parser.add_argument("--threshold", type=float, default=0.6, help="the held-out accuracy whose first step is timed")
     parser.add_argument("--model", default=None, help="(the real model of tests/real_model.py)")
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -246,19 +290,21 @@ def main():
             runs[name] = run(model, args, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        print(f"{name}: {runs[name]['steps']}", flush=True)
+        print(f"{name}: {runs[name]}", flush=True)
     print(
-        f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens, lr {args.lr}, {args.steps} steps"
+        f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens at T {args.temperature}, ", end=""
     )
+    print(f"lr {args.lr}, {args.steps} steps, seed {args.seed}")
     results = {name: summary(name, run, args.threshold) for name, run in runs.items()}
-    print(f"\n{'':<18}{'s/step':>8}{f'to reward {args.threshold}':>18}{'last reward':>13}")
+    target = f"to {100 * args.threshold:.0f}% held out"
+    print(f"\n{'':<18}{'s/step':>8}{target:>26}{'held out at the end':>21}")
     for name, r in results.items():
-        reached = f"{r['reached']:.0f} s" if r["reached"] is not None else "not reached"
-        print(f"{name:<18}{r['step_s']:>8.1f}{reached:>18}{r['last']:>13.2f}")
+        reached = f"{r['reached']:.0f} s (step {r['step']})" if r["reached"] is not None else "not reached"
+        print(f"{name:<18}{r['step_s']:>8.1f}{reached:>26}{100 * r['last']:>20.1f}%")
     ours, trl = results["grpo_gsm8k.py"], results["TRL GRPOTrainer"]
     print(f"s/step, grpo_gsm8k.py / TRL: {ours['step_s'] / trl['step_s']:.2f}x")
     if ours["reached"] is not None and trl["reached"] is not None:
-        print(f"time to reward {args.threshold}, grpo_gsm8k.py / TRL: {ours['reached'] / trl['reached']:.2f}x")
+        print(f"{target}, grpo_gsm8k.py / TRL: {ours['reached'] / trl['reached']:.2f}x")
 
 
 if __name__ == "__main__":
