@@ -205,7 +205,8 @@ def train(name: str, model: str, tier: str, steps: int, seed: int, workdir: str)
 
 def run_one(name: str, seed: int, args, model: str, before: dict) -> dict:
     """Train, evaluate the last checkpoint, and return the record of the run."""
-    workdir = os.path.join(args.out, f"{name.replace(':', '_')}_seed{seed}")
+    tier = "" if args.tier == "one_digit" else f"_{args.tier}"  # the first tier's folders keep their names
+    workdir = os.path.join(args.out, f"{name.replace(':', '_')}_seed{seed}{tier}")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     log, checkpoint = train(name, model, args.tier, args.steps, seed, workdir)
