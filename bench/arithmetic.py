@@ -294,7 +294,7 @@ def plot(records: list[dict], png: str, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", nargs="*", default=["grpo"], help="run names (see above)")
+    p.add_argument("--runs", nargs="*", default=[], help="run names (see above); none: --table and --png only")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=10, help="training steps of every run")
     p.add_argument("--tier", choices=["one_digit", "harder"], default="one_digit")
@@ -333,7 +333,8 @@ def main() -> None:
         print(table(mine))
     if args.png:
         title = f"SmolLM2-135M-Instruct on CPU, {args.tier.replace('_', '-')} arithmetic"
-        plot([r for r in mine if r["name"] in args.runs], args.png, title)
+        names = args.runs or {r["name"] for r in mine}  # no --runs: every run in --out
+        plot([r for r in mine if r["name"] in names], args.png, title)
 
 
 if __name__ == "__main__":
