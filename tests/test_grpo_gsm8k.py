@@ -65,9 +65,11 @@ def test_grade_known_completions():
     ]
     for text, want in cases:
         assert tuple(G.grade(text, gold)) == want, text
-    t0 = time.time()
+    G.grade_batch(["\\boxed{1200}"], [gold], timeout_s=5.0)  # the pool started: its start is not what is bounded
+    t0 = time.monotonic()
     grades = G.grade_batch(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1200}"], [gold, gold], timeout_s=1.0)
-    assert grades[0].reward == 0 and grades[1].correct and time.time() - t0 < 10
+    assert grades[0].reward == 0 and grades[1].correct
+    assert time.monotonic() - t0 < 60  # a bound on a hang, not a speed test: unkilled, the tower runs for minutes
 
 
 # ---------------------------------------------------------------------------------------------------
