@@ -160,7 +160,7 @@ def test_grpo_learns_arithmetic_with_verified_pushes(server, real_model, tmp_pat
     the tests start: 3 steps of about 80 s on a quiet 2-core machine. Micro-batches of 1,024 tokens, a quarter of the
     bench's: the suite runs beside other tests.)"""
     extra = ("--dataset", ARITHMETIC, "--train-steps", "3", "--save-every", "3", "--seed", "2", *RECIPE)
-    extra += ("--micro-token-budget", "1024")
+    extra += ("--micro-token-budget", "1024")  # (later flags win over run_grpo's: seed 2, not 1)
     out, m = run_grpo(server, real_model, tmp_path, *extra, timeout=1800)
     assert [int(x["version"]) for x in m] == [1, 2, 3], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
