@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import PY, ROOT, import_script, metrics_of, read_jsonl, run_ok
+from conftest import GRADE_WORKERS, PY, ROOT, import_script, metrics_of, read_jsonl, run_ok
 
 SCRIPT = "grpo_gsm8k.py"  # the end-to-end test's script
 grpo_gsm8k = import_script("grpo_gsm8k.py")
@@ -191,7 +191,17 @@ def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_m
     model), and no sample was cut by --max-seq-len."""
     port = tp2_server.rsplit(":", 1)[1]
     cmd = [PY, os.path.join(ROOT, SCRIPT), "--model", toy_model, "--dataset", os.path.join(FIXTURES, "gsm8k_toy")]
-    cmd += ["--vllm-port", port, "--max-completion-tokens", "3", "--rollouts-per-update", "4", "--group-size", "4"]
+    cmd += [
+        *GRADE_WORKERS,
+        "--vllm-port",
+        port,
+        "--max-completion-tokens",
+        "3",
+        "--rollouts-per-update",
+        "4",
+        "--group-size",
+        "4",
+    ]
     cmd += ["--train-steps", "2", "--system-prompt", "", "--eval-every", "0", "--checkpoint-dir", "ckpt"]
     cmd += ["--learning-rate", "3e-3", "--mask-truncated-completions", "--skip-zero-std-groups"]
     metrics = metrics_of(run_ok(cmd, cwd=tmp_path, timeout=600).stdout)

@@ -638,13 +638,27 @@ def test_base_url_greedy_sends_the_same_prompt_tokens(openai_server, toy_model, 
     assert s["accuracy"] == sum(E.grade(r["completions"][0], r["gold"], "gsm8k").correct for r in rows) / 8
 
 
-def test_base_url_samples_and_scores_as_the_generate_path(openai_server, toy, tmp_path):
+def sampled_args(toy) -> list[str]:
+    return ["--model", toy.model, *TOY_ARGS, "--n", "8", "--temperature", "1.0", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def sampled_on_generate(toy, tmp_path_factory) -> list[dict]:
+    """eval.py's rows for 8 samples per problem at temperature 1 through /generate: what both OpenAI-compatible servers
+    must give (one run for both)."""
+    port = toy.url.rsplit(":", 1)[1]
+    want, _, _ = run_eval(
+        tmp_path_factory.mktemp("generate"), *sampled_args(toy), "--vllm-port", port, out="gsm8k_eval.jsonl"
+    )
+    return want
+
+
+def test_base_url_samples_and_scores_as_the_generate_path(openai_server, toy, sampled_on_generate, tmp_path):
     """8 samples per problem at temperature 1: --base-url gets every sample the /generate path gets (sample j of
     problem i seeded seed + i * n + j on both; the server's own sampling defaults overridden), so every grade and
     metric is the same. Leaving the extensions to the server (--no-neutral-sampling) changes the samples."""
-    sampled = ["--model", toy.model, *TOY_ARGS, "--n", "8", "--temperature", "1.0", "--seed", "5"]
-    port = toy.url.rsplit(":", 1)[1]
-    want, _, _ = run_eval(tmp_path / "generate", *sampled, "--vllm-port", port, out="gsm8k_eval.jsonl")
+    sampled = sampled_args(toy)
+    want = sampled_on_generate
     got, printed, _ = run_eval(
         tmp_path / "openai", *sampled, "--base-url", openai_server, out="gsm8k_eval.jsonl", key=KEY
     )

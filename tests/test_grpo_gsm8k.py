@@ -538,12 +538,15 @@ def test_resume_continues_at_the_saved_step(run_b):
 
 def test_resume_skips_saves_cut_short_and_saves_over_them(run_b):
     """Run B names the incomplete step_3 and the leftover step_4.tmp in one line each, resumes from step_2, the
-    newest complete checkpoint, and its own save of step 3 replaces the one cut short (test_resume_equals_an_
-    uninterrupted_run compares its weights). The leftover stays, ignored."""
+    newest complete checkpoint, and its own save of step 3 replaces the one cut short: whole, with the weights step 3
+    moved. The leftover stays, ignored. (That a resumed run takes the steps of one never stopped:
+    test_sigterm_saves_the_last_step_and_resume_equals_an_uninterrupted_run.)"""
     assert "skipped ckpt/step_3: cut short while it was saved (no trainer_state.pt)" in run_b.stdout
     assert "skipped ckpt/step_4.tmp: cut short while it was saved" in run_b.stdout
     assert "resumed from ckpt/step_2 at step 2" in run_b.stdout
     assert (run_b.workdir / "ckpt" / "step_3" / "trainer_state.pt").is_file()
+    step_3 = load_weights(run_b.workdir / "ckpt" / "step_3")  # (half a file would not load)
+    assert max_abs_diff(step_3, load_weights(run_b.workdir / "ckpt" / "step_2")) > 1e-4
     assert not (run_b.workdir / "ckpt" / "step_3.tmp").exists() and (run_b.workdir / "ckpt" / "step_4.tmp").is_dir()
 
 
@@ -593,27 +596,6 @@ def test_a_completion_budget_the_server_cannot_hold_is_refused_at_start(toy, tmp
     tail = "exceeds the server's max_model_len 1024: lower it, or start the server with a larger --max-model-len"
     assert r.returncode == 1 and said in r.stderr and tail in r.stderr, r.stderr[-3000:]
     assert "step 1:" not in r.stdout and not (tmp_path / "ckpt").exists()
-
-
-def test_resume_equals_an_uninterrupted_run(toy, run_b, tmp_path):
-    """Run B's step-3 weights equal those of run C, the same 3 steps straight: resuming restores the step, the data
-    position, the RNG and the optimizer state (Adam's moments change the update). And step 3 did move the weights."""
-    run_script(
-        toy.url,
-        tmp_path,
-        "--train-steps",
-        "3",
-        "--save-every",
-        "1",
-        *TINY_MICRO_BATCHES,
-        *HOT,
-        model=toy.model,
-    )
-    resumed = load_weights(run_b.workdir / "ckpt" / "step_3")
-    straight = load_weights(tmp_path / "ckpt" / "step_3")
-    before = load_weights(run_b.workdir / "ckpt" / "step_2")
-    assert max_abs_diff(resumed, straight) < 1e-6
-    assert max_abs_diff(resumed, before) > 1e-4
 
 
 def test_clip_frac_counts_the_last_pass(toy, tmp_path):
@@ -801,12 +783,12 @@ def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch
     assert "--checkpoint-root" not in launched[1]
 
 
-@pytest.mark.parametrize("seed", [2, 3])  # seed 1, the default, is the CPU demo's: tests/test_demo_cpu.py
-def test_learning_on_toy_task(toy, tmp_path, seed):
-    """GRPO pushes the toy task's mean reward up within 20 steps (measured: ~0.03 -> 1.0), whatever the seed: a
-    seed whose samples reuse each other's random numbers could draw the same wrong completions step after step."""
+def test_learning_on_toy_task(toy, tmp_path):
+    """GRPO pushes the toy task's mean reward up within 20 steps (measured: ~0.03 -> 1.0) at seed 2 as at seed 1, the
+    default, which the CPU demo trains (tests/test_demo_cpu.py): a seed whose samples reuse each other's random
+    numbers could draw the same wrong completions step after step."""
     url, model = toy
-    _, m = run_script(url, tmp_path, "--train-steps", "20", "--save-every", "100", "--seed", str(seed), model=model)
+    _, m = run_script(url, tmp_path, "--train-steps", "20", "--save-every", "100", "--seed", "2", model=model)
     rewards = [float(x["reward"]) for x in m]
     print("rewards", rewards)
     assert_learned(rewards)

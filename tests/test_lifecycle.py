@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import FIXTURES, PY, ROOT, free_port, import_script, metrics_of, read_jsonl, run_ok
+from conftest import FIXTURES, GRADE_WORKERS, PY, ROOT, free_port, import_script, metrics_of, read_jsonl, run_ok
 
 SCRIPT = "grpo_gsm8k.py"
 EVAL = "eval.py"
@@ -26,7 +26,7 @@ PROMPT = "Put the final answer in a box."  # run 1's system prompt (not the scri
 
 
 def train_cmd(*extra) -> list:
-    return [PY, os.path.join(ROOT, SCRIPT), *extra]
+    return [PY, os.path.join(ROOT, SCRIPT), *GRADE_WORKERS, *extra]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_eval_of_a_checkpoint_uses_the_system_prompt_it_trained_with(toy, run2, 
     for extra, want in [([], PROMPT), (["--system-prompt", ""], "")]:
         out = tmp_path / f"eval{len(extra)}.jsonl"
         r = run_ok(
-            [PY, os.path.join(ROOT, EVAL), "--model", ckpt, *common, *extra, "--out", str(out)],
+            [PY, os.path.join(ROOT, EVAL), *GRADE_WORKERS, "--model", ckpt, *common, *extra, "--out", str(out)],
             cwd=tmp_path,
             timeout=300,
         )

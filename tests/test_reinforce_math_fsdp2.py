@@ -390,23 +390,12 @@ def test_resume_says_at_start_what_it_will_not_do(fsdp_run):
     assert r.returncode != 0 and "written by 2 ranks" in r.stderr, r.stderr[-2000:]
 
 
-def test_reduce_every_micro_batch_makes_the_same_step(toy, fsdp_run, tmp_path):
-    """--reduce-every-micro-batch (a reduce-scatter after each micro-batch) makes the update of the default (one after
-    the last, the gradients accumulated unsharded meanwhile): step 1 of fsdp_run, fp32, 2 ranks, several micro-batches
-    per rank."""
-    url, model = toy
-    run(url, model, tmp_path, "--train-steps", "1", "--rollouts-per-update", "4", "--reduce-every-micro-batch")
-    rows, a = step_1(tmp_path)
-    ref_rows, b = step_1(fsdp_run.path)
-    assert rows == ref_rows  # the same samples, so the same gradient is due
-    assert max_abs_diff(a, b) < 1e-5
-    assert max_abs_diff(a, load_weights(model)) > 5e-5  # the step moved the weights
-
-
-def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
-    """Two torchrun launchers (--nnodes 2, one process each, a c10d rendezvous, one shared directory) make step 1 of
-    fsdp_run (2 processes on one node): the same samples on the same RANK, the same weights; rank 0 alone prints; each
-    rank logs under its RANK, and LOCAL_RANK (the device index on GPUs) is 0 on both nodes."""
+def test_two_nodes_reducing_every_micro_batch_equal_one_node(toy, fsdp_run, tmp_path):
+    """Two torchrun launchers (--nnodes 2, one process each, a c10d rendezvous, one shared directory) with
+    --reduce-every-micro-batch (a reduce-scatter after each micro-batch) make step 1 of fsdp_run (2 processes on one
+    node, one reduce-scatter after the last micro-batch, the gradients accumulated unsharded meanwhile; fp32, several
+    micro-batches per rank): the same samples on the same RANK, the same weights, which the step moved; rank 0 alone
+    prints; each rank logs under its RANK, and LOCAL_RANK (the device index on GPUs) is 0 on both nodes."""
     url, model = toy
     out, m = run(
         url,
@@ -417,13 +406,15 @@ def test_two_nodes_equal_one_node(toy, fsdp_run, tmp_path):
         "--rollouts-per-update",
         "4",
         "--rank0-only-output",
+        "--reduce-every-micro-batch",
         nproc=1,
         nodes=2,
     )
     rows, a = step_1(tmp_path)
     ref_rows, b = step_1(fsdp_run.path)
-    assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)
+    assert rows == ref_rows and all(len(r) == 4 * 8 for r in rows)  # the same samples, so the same gradient is due
     assert max_abs_diff(a, b) < 1e-5
+    assert max_abs_diff(a, load_weights(model)) > 5e-5  # the step moved the weights
     assert out.count("done: 1 steps") == 1 and len(m) == 1
     assert "[rank0] INFO rank 0 of 2, local rank 0" in out and "[rank1] INFO rank 1 of 2, local rank 0" in out
     assert "[rank1] INFO rank 1 of 2, local rank 1" in fsdp_run.out  # the reference: one node, two local ranks

