@@ -882,14 +882,13 @@ if __name__ == "__main__":
         raise SystemExit(f"no problems to evaluate: {dataset} ({args.split} split) holds none")
 
     from rich.console import Console
+    from transformers import AutoTokenizer
 
     # TRY NOT TO MODIFY: server, data (the only randomness is the sampling, seeded per request on the server)
     start_time = time.time()
     console = Console()
     out = args.out or f"{args.task}_eval.jsonl"
-    url, client, served, max_model_len = connect(args, console)  # before transformers: a wrong URL or key fails fast
-    from transformers import AutoTokenizer
-
+    url, client, served, max_model_len = connect(args, console)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # what every prompt looks like; goes into the summary
     template = render_prompt(tokenizer, args.system_prompt, "{question}")
