@@ -191,19 +191,9 @@ def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_m
     model), and no sample was cut by --max-seq-len."""
     port = tp2_server.rsplit(":", 1)[1]
     cmd = [PY, os.path.join(ROOT, SCRIPT), "--model", toy_model, "--dataset", os.path.join(FIXTURES, "gsm8k_toy")]
-    cmd += [
-        *GRADE_WORKERS,
-        "--vllm-port",
-        port,
-        "--max-completion-tokens",
-        "3",
-        "--rollouts-per-update",
-        "4",
-        "--group-size",
-        "4",
-    ]
+    cmd += ["--vllm-port", port, "--max-completion-tokens", "3", "--rollouts-per-update", "4", "--group-size", "4"]
     cmd += ["--train-steps", "2", "--system-prompt", "", "--eval-every", "0", "--checkpoint-dir", "ckpt"]
-    cmd += ["--learning-rate", "3e-3", "--mask-truncated-completions", "--skip-zero-std-groups"]
+    cmd += ["--learning-rate", "3e-3", "--mask-truncated-completions", "--skip-zero-std-groups", *GRADE_WORKERS]
     metrics = metrics_of(run_ok(cmd, cwd=tmp_path, timeout=600).stdout)
     rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
     assert len(metrics) == 2 and len(rollouts) == 2 * 16
