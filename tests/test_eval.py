@@ -1,6 +1,6 @@
 """SCRIPT (the evaluation script): pass@k against its closed form and brute force, the grading of both tasks and of
 the strict <think> format, --help without torch, and the real script end to end against a real vllm_sync_server on
-CPU (tiny model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here. A copy of the
+CPU (the toy model, GSM8K- and MATH-500-schema fixtures), its printed and written metrics recomputed here. A copy of the
 script is tested by changing SCRIPT."""
 
 import itertools
@@ -27,7 +27,6 @@ from conftest import (
     read_jsonl,
     run_ok,
     start_logged,
-    start_server,
     stop_server,
 )
 
@@ -256,10 +255,10 @@ def test_math_golds_that_grade_reads_pass_the_checks(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # end to end: the real script against a real server
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    proc, url = start_server(tiny_model, str(tmp_path_factory.mktemp("eval_server") / "server.log"))
-    yield url
-    stop_server(proc)
+def server(toy) -> str:
+    """The run's toy server (conftest), holding the toy model's weights: no vLLM start of this module's own. Its
+    tokenizer drops the characters it has no token for, alike for eval.py and for the checks here."""
+    return toy.url
 
 
 ROW = re.compile(r"^\s*[│|┃]\s*([\w@]+)\s*[│|┃]\s*([-+0-9.eE]+)\s*[│|┃]\s*$")
@@ -392,12 +391,12 @@ def questions(task, limit, dataset=None):
     return [row["question"] for row in read_jsonl(os.path.join(FIXTURES, dataset or "gsm8k", "test.jsonl"))][:limit]
 
 
-def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
+def test_end_to_end_gsm8k_greedy(server, toy_model, tmp_path):
     port = server.rsplit(":", 1)[1]
     lines, printed, _ = run_eval(
         tmp_path,
         "--model",
-        tiny_model,
+        toy_model,
         "--dataset",
         os.path.join(FIXTURES, "gsm8k"),
         "--vllm-port",
@@ -409,13 +408,13 @@ def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
         out="gsm8k_eval.jsonl",
     )
     rows, s = check_output(lines, printed, n=1, limit=4, max_tokens=16, task="gsm8k")
-    assert s["model"] == s["served_model"] == tiny_model and s["temperature"] == 0.0 and s["system_prompt"] == ""
+    assert s["model"] == s["served_model"] == toy_model and s["temperature"] == 0.0 and s["system_prompt"] == ""
     assert rows[0]["gold"].endswith("#### 777") and rows[0]["gold_answer"] == "777"
     assert s["accuracy"] == s["correct_rate"] == s["pass@1"]  # one sample: the same number three ways
     # the same prompt, tokenized here and sent alone, gives the same greedy completion and token count
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(toy_model)
     for row in rows[:2]:
         ids = tok.encode(row["prompt"], add_special_tokens=False)
         res = requests.post(
@@ -425,13 +424,13 @@ def test_end_to_end_gsm8k_greedy(server, tiny_model, tmp_path):
         assert c["text"] == row["completions"][0] and len(c["token_ids"]) == row["tokens"][0]
 
 
-def test_end_to_end_math500_strict_with_system_prompt(server, tiny_model, tmp_path):
+def test_end_to_end_math500_strict_with_system_prompt(server, toy_model, tmp_path):
     port = server.rsplit(":", 1)[1]
     system = "Think in <think></think>, then put the final answer in \\boxed{}."
     lines, printed, _ = run_eval(
         tmp_path,
         "--model",
-        tiny_model,
+        toy_model,
         "--task",
         "math500",
         "--dataset",
@@ -455,11 +454,11 @@ def test_end_to_end_math500_strict_with_system_prompt(server, tiny_model, tmp_pa
     assert [r["id"] for r in rows] == [r["unique_id"] for r in MATH500[:4]]
 
 
-def test_end_to_end_pass_at_k_sampled(server, tiny_model, tmp_path):
+def test_end_to_end_pass_at_k_sampled(server, toy_model, tmp_path):
     port = server.rsplit(":", 1)[1]
     args = [
         "--model",
-        tiny_model,
+        toy_model,
         "--task",
         "math500",
         "--dataset",
@@ -503,12 +502,12 @@ def longest_prompt(model: str, qs: list[str]) -> int:
     return max(len(tok.encode(E.render_prompt(tok, "", q), add_special_tokens=False)) for q in qs)
 
 
-def test_max_tokens_the_servers_context_cannot_hold_is_refused_at_start(server, tiny_model, tmp_path):
+def test_max_tokens_the_servers_context_cannot_hold_is_refused_at_start(server, toy_model, tmp_path):
     """The server's max_model_len (1024, from /runtime_version) minus the longest of the 4 prompts is the most
     --max-tokens may be: one more is refused before any request, with both numbers; exactly that runs, and the server
     takes every request (it would refuse one token more itself)."""
-    longest = longest_prompt(tiny_model, questions("gsm8k", 4))
-    args = ["--model", tiny_model, "--dataset", os.path.join(FIXTURES, "gsm8k"), "--vllm-port", server.rsplit(":")[-1]]
+    longest = longest_prompt(toy_model, questions("gsm8k", 4))
+    args = ["--model", toy_model, "--dataset", os.path.join(FIXTURES, "gsm8k"), "--vllm-port", server.rsplit(":")[-1]]
     args += ["--limit", "4"]
     over = [PY, SCRIPT_PATH, *args, "--max-tokens", str(1025 - longest)]
     r = subprocess.run(over, cwd=tmp_path, capture_output=True, text=True, timeout=300)
