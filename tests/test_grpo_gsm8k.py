@@ -23,7 +23,6 @@ from conftest import (
     ROOT,
     assert_learned,
     assert_seed_streams_distinct,
-    free_port,
     import_script,
     load_behind,
     load_weights,
@@ -386,18 +385,15 @@ def test_staging_layout():
     assert size == 5000 and places[-1][0] == 2  # a window grows to the largest tensor, which is never split
 
 
-def test_shared_transport_end_to_end_with_the_script_starting_its_server(toy_model, tmp_path):
-    """--start-server --sync-transport shared on CPU: the variant starts its own server, pushes through a /dev/shm
-    staging buffer used as a window in rounds (--staging-mib 1 < the toy model's 1.3 MB), verifies every push by
-    checksum (--verify-sync), and the trainer's logprobs agree with the sampler's. Nothing is left in /dev/shm."""
-    port = free_port()
+def test_shared_transport_end_to_end(toy, tmp_path):
+    """--sync-transport shared on CPU: the variant pushes through a /dev/shm staging buffer used as a window in rounds
+    (--staging-mib 1 < the toy model's 1.3 MB), verifies every push by checksum (--verify-sync), and the trainer's
+    logprobs agree with the sampler's. Nothing is left in /dev/shm. (The variant starting its own server:
+    tests/test_grpo_lora.py's adapter sync with --start-server.)"""
     before = set(os.listdir("/dev/shm"))
-    server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
     out, m = run_script(
-        f"http://127.0.0.1:{port}",
+        toy.url,
         tmp_path,
-        "--start-server",
-        f"--server-args={server_args}",
         "--sync-transport",
         "shared",
         "--staging-mib",
@@ -405,7 +401,7 @@ def test_shared_transport_end_to_end_with_the_script_starting_its_server(toy_mod
         "--train-steps",
         "2",
         "--verify-sync",
-        model=toy_model,
+        model=toy.model,
         script=VARIANT,
     )
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
