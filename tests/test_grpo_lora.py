@@ -209,23 +209,44 @@ class Run(NamedTuple):
     workdir: Path
     stdout: str
     metrics: list[dict]
+    sampled: list[dict]  # the server's samples of GAP_PROMPTS right after the run (generate's results)
+
+
+def sample_gap_prompts(url: str, lora: str | None = None) -> list[dict]:
+    """4 samples of each of GAP_PROMPTS at temperature 1, 24 tokens, seeded as a run's first step (with the adapter
+    `lora` if given): what peft_gap compares a checkpoint's PEFT model with."""
+    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
+    return G.generate(url, GAP_PROMPTS, 4, 1.0, 24, 4, seeds, lora=lora)
+
+
+def peft_gap(base_model: str, checkpoint, sampled: list[dict]) -> float:
+    """The worst |logprob| gap between the server's samples `sampled` and the PEFT model of a LoRA run's
+    `checkpoint` (the base `base_model` with that checkpoint's adapter, loaded by the script's own add_lora)."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    G.add_lora(base, tyro.cli(G.Args, args=list(LORA)), saved=str(checkpoint))
+    return worst_logprob_gap(G, base, GAP_PROMPTS, sampled, 1.0)
 
 
 @pytest.fixture(scope="module")
 def merged_a(toy, tmp_path_factory) -> Run:
-    """Merged run A: 2 steps with rank-8 adapters, every push verified by checksum, a checkpoint every step."""
+    """Merged run A: 2 steps with rank-8 adapters over the default transport (collective), every push verified by
+    checksum, a checkpoint every step. The server's state is read right after it, before another run pushes its own."""
     workdir = tmp_path_factory.mktemp("merged_A")
     extra = ("--train-steps", "2", "--save-every", "1", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
     out, m = run_script(toy.url, workdir, *extra, model=toy.model)
-    assert server_matches(toy.url, workdir / "ckpt" / "step_2" / "merged")  # before another run pushes its own
-    return Run(workdir, out, m)
+    assert server_matches(toy.url, workdir / "ckpt" / "step_2" / "merged")
+    return Run(workdir, out, m, sample_gap_prompts(toy.url))
 
 
 def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
     """Run A pushes two verified versions, its trainer agrees with the sampler, every checkpoint holds the adapter
     (peft format, no full model beside it) and in merged/ a model that transformers loads and that equals the base
-    plus (alpha / r) B A of that checkpoint's adapter; the server held exactly the last one at the end; the base
-    moved nowhere but through the adapter."""
+    plus (alpha / r) B A of that checkpoint's adapter; the server held exactly the last one at the end, and its
+    samples' logprobs equal those of the PEFT model of the last checkpoint within 1e-4, not those of the step before;
+    the base moved nowhere but through the adapter."""
     from transformers import AutoModelForCausalLM
 
     m = merged_a.metrics
@@ -240,6 +261,8 @@ def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
         assert set(merged) == set(want) and max_abs_diff(merged, want) < 1e-5
         assert max_abs_diff(merged, load_weights(toy.model)) > 1e-4  # the adapter moved the policy
         AutoModelForCausalLM.from_pretrained(path / "merged")
+    assert peft_gap(toy.model, merged_a.workdir / "ckpt" / "step_2", merged_a.sampled) < 1e-4
+    assert peft_gap(toy.model, merged_a.workdir / "ckpt" / "step_1", merged_a.sampled) > 1e-4  # tells versions apart
 
 
 def test_eval_of_a_lora_checkpoint_evaluates_its_merged_model(toy, merged_a, tmp_path):
@@ -355,15 +378,17 @@ def test_an_adapter_without_lora_on_is_refused(toy, tmp_path):
 # every way the flags let a LoRA run reach the server: --sync-transport x --lora-sync
 
 
-@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
-@pytest.mark.parametrize("transport", ["collective", "shared", "checkpoint"])
+@pytest.mark.parametrize(
+    ("transport", "lora_sync"), [("shared", "merged"), ("checkpoint", "merged"), ("shared", "adapter")]
+)
 def test_every_transport_and_lora_sync(request, toy, checkpoint_root, tmp_path, transport, lora_sync):
-    """A two-step LoRA run over each transport with each --lora-sync (adapter: the adapter's files go to a server
-    with LoRA on, whatever the transport). Merged: every push verified by checksum (--verify-sync), and the server
-    ends with exactly the last checkpoint's merged model. Every step's sampler agrees with its trainer (pushes 0 and
-    1: logprob_mismatch under 1e-5); after the last push the server's logprobs equal those of the PEFT model of the
-    last checkpoint within 1e-4, and not those of the step before. Adapter: step 1 sampled with version 0, step 2
-    with 1, only the newest adapter's files left."""
+    """A two-step LoRA run over each transport but the default, collective (run A: merged_a), merged, and with
+    --lora-sync adapter (the adapter's files go to a server with LoRA on whatever the transport: init_transport sets
+    none up, so one run, over shared). Merged: every push verified by checksum (--verify-sync), and the server ends
+    with exactly the last checkpoint's merged model. Every step's sampler agrees with its trainer (pushes 0 and 1:
+    logprob_mismatch under 1e-5); after the last push the server's logprobs equal those of the PEFT model of the last
+    checkpoint within 1e-4, and not those of the step before. Adapter: step 1 sampled with version 0, step 2 with 1,
+    only the newest adapter's files left."""
     url = toy.url if lora_sync == "merged" else request.getfixturevalue("lora_server")
     extra = ("--train-steps", "2", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
     extra += ("--lora-sync", lora_sync)  # (8 prompts x 8: no step without a reward, so every step moves the adapter)
@@ -382,20 +407,9 @@ def test_every_transport_and_lora_sync(request, toy, checkpoint_root, tmp_path, 
         rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
         assert [{v for r in rollouts if r["step"] == s for v in r["versions"]} for s in (1, 2)] == [{0}, {1}]
         assert os.listdir(tmp_path / "lora_adapters") == ["v2"]
-    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
-    lora = "policy" if lora_sync == "adapter" else None
-    results = G.generate(url, GAP_PROMPTS, 4, 1.0, 24, 4, seeds, lora=lora)
-
-    def gap(checkpoint):  # the PEFT model of `checkpoint` against the server's samples
-        import tyro
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(toy.model, dtype=torch.float32)
-        G.add_lora(base, tyro.cli(G.Args, args=list(LORA)), saved=str(checkpoint))
-        return worst_logprob_gap(G, base, GAP_PROMPTS, results, 1.0)
-
-    assert gap(step_2) < 1e-4
-    assert gap(step_1) > 1e-4  # the comparison tells the versions apart
+    sampled = sample_gap_prompts(url, lora="policy" if lora_sync == "adapter" else None)
+    assert peft_gap(toy.model, step_2, sampled) < 1e-4
+    assert peft_gap(toy.model, step_1, sampled) > 1e-4  # the comparison tells the versions apart
 
 
 # ---------------------------------------------------------------------------------------------------
