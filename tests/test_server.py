@@ -23,7 +23,7 @@ from conftest import GRADE_WORKERS, PY, ROOT, SyncClient, build_tiny_model, sha2
 SCRIPT = "vllm_sync_server.py"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-SYNC_TIMEOUT_S = 10
+SYNC_TIMEOUT_S = 5  # the servers' --sync-timeout-s: what the tests of a trainer that never sends wait out
 SERVED = "tiny-served"  # vLLM's --served-model-name (a flag this server's own Args never had): the /v1 routes' name
 MAX_NUM_SEQS = 64  # vLLM's --max-num-seqs, which bounds /generate
 

@@ -15,8 +15,6 @@ import torch
 
 from conftest import ROOT, sha256
 
-SYNC_TIMEOUT_S = 10
-
 
 def vllm_sync_server():
     import sys
