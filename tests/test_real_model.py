@@ -302,7 +302,7 @@ def test_pipeline_actor_and_learner_train_two_versions(server, real_model, tmp_p
     learner_cmd = [
         *(PY, os.path.join(ROOT, "pipeline_learner.py"), "--model", real_model, "--redis-url", redis_url),
         *("--queue-key", "real", "--vllm-urls", server, "--train-steps", "2", "--batch-size", "8", *hot),
-        *("--learning-rate", "1e-5", "--verify-sync", "--checkpoint-dir", "ckpt", "--save-every", "1"),
+        *("--learning-rate", "1e-5", "--verify-sync", "--checkpoint-dir", "ckpt", "--save-every", "2"),
         *("--rollout-log", "rollouts.jsonl"),
     ]
     actor_cmd = [
