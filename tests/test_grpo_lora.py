@@ -134,8 +134,7 @@ def test_merged_push_server_logprobs_equal_the_peft_models(toy):
     with G.lora_merged(peft_model):
         G.push_weights(sync, model, version=100)
     assert max_abs_diff(base, dict(G.base_named(model.named_parameters()))) < 1e-6
-    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
-    results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=1.0, max_tokens=24, concurrency=4, seeds=seeds)
+    results = sample_gap_prompts(toy.url)
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
     with torch.no_grad():  # the control: the base's logprobs are far from the server's, so the comparison can fail
         peft_model.base_model.disable_adapter_layers()
@@ -335,22 +334,19 @@ def test_adapter_push_server_logprobs_equal_the_peft_models(toy, lora_server, tm
     import requests
 
     model, peft_model = lora_model(toy.model, seed=0)
-    seeds = [G.rollout_seed(0, i, 4) for i in range(len(GAP_PROMPTS))]
-
-    def sample(lora):
-        return G.generate(lora_server, GAP_PROMPTS, 4, 1.0, 24, 4, seeds, lora=lora)
-
     G.push_adapter(lora_server, peft_model, 7, str(tmp_path))
-    results = sample("policy")
+    results = sample_gap_prompts(lora_server, "policy")
     assert {v for r in results for c in r["completions"] for v in c["versions"]} == {7}
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
-    assert worst_logprob_gap(G, model, GAP_PROMPTS, sample(None), 1.0) > 1e-2  # the base alone: far off
+    assert (
+        worst_logprob_gap(G, model, GAP_PROMPTS, sample_gap_prompts(lora_server), 1.0) > 1e-2
+    )  # the base alone: far off
     with torch.no_grad():  # the next version: other adapter weights
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
     G.push_adapter(lora_server, peft_model, 8, str(tmp_path))
-    results = sample("policy")
+    results = sample_gap_prompts(lora_server, "policy")
     assert {v for r in results for c in r["completions"] for v in c["versions"]} == {8}
     assert worst_logprob_gap(G, model, GAP_PROMPTS, results, 1.0) < 1e-4
     assert os.listdir(tmp_path) == ["v8"]
