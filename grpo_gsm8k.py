@@ -585,7 +585,7 @@ def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
     return Grade(float(ok), bool(ok), False)
 
 
-# what a grading worker grades as it starts (warm_up_grader), so that no sample's clock runs while sympy imports
+# what a grading worker grades as it starts (warm_up_grader): no sample's clock runs while grade's imports load
 GRADE_EXAMPLE = ("The answer is \\boxed{x \\le 1/2}.", "(-\\infty, 1/2]")
 
 

@@ -576,7 +576,7 @@ def test_sigterm_saves_the_last_step_and_resume_equals_an_uninterrupted_run(toy,
     assert f"resumed from ckpt/step_{last} at step {last}" in resumed
     run_script(toy.url, straight, "--train-steps", "6", "--save-every", "100", *HOT, model=toy.model)
     samples = [
-        [(r["step"], r["question"], r["seed"]) for r in read_jsonl(d / "gsm8k_train_rollouts.jsonl")]
+        [(r["step"], r["prompt"], r["seed"]) for r in read_jsonl(d / "gsm8k_train_rollouts.jsonl")]
         for d in (stopped, straight)
     ]
     assert samples[0] == samples[1] and len(samples[0]) == 6 * 64
@@ -620,7 +620,7 @@ def synthetic_step(vocab_size: int, prompts: int, group: int) -> tuple[list, tor
                 "finish_reason": "length" if n == 12 else "stop",
                 "versions": [0],
             }
-            samples.append(G.Sample({"answer": "#### 7"}, prompt, completion, 100 * p + j))
+            samples.append(G.Sample("What is 3 + 4?", "7", prompt, completion, 100 * p + j))
     rewards = torch.tensor([float((3 * i + i // group) % 4 == 0) for i in range(prompts * group)])  # [B]
     rewards[:group] = 0.0  # the first group: all wrong, no gradient
     return samples, rewards
@@ -650,9 +650,9 @@ def test_micro_batches_add_up_to_the_step(tiny_model, loss_type):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # linear in the gradient (Adam's first steps amplify
         # the float noise of near-zero gradients), and large enough that the second pass's ratios meet the clip
         advantages = G.group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
-        batch = G.make_batch(samples, rewards, args)
-        stats[budget], bad = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
-        assert not bad
+        batch = G.make_batch(samples, rewards, advantages, args)
+        stats[budget], bad_pass = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
+        assert bad_pass == 0
         after[budget] = dict(model.named_parameters())
     g_small = stats[48]["grad_norm"]
     g_big = stats[100000]["grad_norm"]
@@ -662,6 +662,43 @@ def test_micro_batches_add_up_to_the_step(tiny_model, loss_type):
     diff = max((after[48][k] - after[100000][k]).abs().max().item() for k in before)
     moved = max((after[48][k] - before[k]).abs().max().item() for k in before)
     assert diff < 1e-4 * moved, (diff, moved)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+def test_samples_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, loss_type):
+    """make_batch feeds only the samples that can change the gradient: a zero advantage (a group of equal rewards)
+    with no KL term, or a completion masked by --mask-truncated-completions, adds 0 to every token's loss. Since the
+    divisor is the whole step's (loss_divisor), the step that skips them is the step that feeds them: the same
+    gradient norm and the same weights after two passes (SGD: the update is linear in the gradient). With --beta they
+    are all fed (their KL term has a gradient)."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    samples, rewards = synthetic_step(vocab_size=384, prompts=4, group=4)
+    flags = ["--loss-type", loss_type, "--num-iterations", "2", "--group-size", "4", "--max-completion-tokens", "12"]
+    args = tyro.cli(G.Args, args=[*flags, "--mask-truncated-completions"])
+    advantages = G.group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+    batch = G.make_batch(samples, rewards, advantages, args)
+    no_gradient = [i for i in range(len(samples)) if advantages[i] == 0 or batch.masked[i]]
+    assert 4 <= len(no_gradient) < len(samples) and set(batch.fed).isdisjoint(no_gradient)  # the zero-std group, more
+    with_beta = G.make_batch(samples, rewards, advantages, tyro.cli(G.Args, args=[*flags, "--beta", "0.1"]))
+    assert with_beta.fed == list(range(len(samples)))
+    after = {}
+    stats = {}
+    for name, fed in (("skipped", batch.fed), ("all fed", list(range(len(samples))))):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats[name], bad_pass = G.update_policy(
+            model, None, optimizer, batch._replace(fed=fed), samples, advantages, args, 0, None
+        )
+        assert bad_pass == 0
+        after[name] = dict(model.named_parameters())
+    g_skip, g_all = stats["skipped"]["grad_norm"], stats["all fed"]["grad_norm"]
+    assert g_all > 0 and abs(g_skip - g_all) < 1e-5 * g_all, (g_skip, g_all)
+    before = dict(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
+    diff = max((after["skipped"][k] - after["all fed"][k]).abs().max().item() for k in before)
+    moved = max((after["skipped"][k] - before[k]).abs().max().item() for k in before)
+    assert diff < 1e-5 * moved, (diff, moved)
 
 
 def test_the_scripts_micro_batch_split_does_not_change_its_step(toy, tmp_path):
