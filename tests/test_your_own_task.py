@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,15 +67,15 @@ def countdown_data(folder, train: int = 64, test: int = 8) -> str:
 
 
 def test_the_doc_shows_the_whole_diff():
-    doc = open(os.path.join(DOCS, "your_own_task.md")).read()
+    doc = Path(DOCS, "your_own_task.md").read_text()
     shown = re.search(r"```diff\n(.*?)```", doc, re.S)[1]
-    assert shown == open(os.path.join(DOCS, "your_own_task.diff")).read()
+    assert shown == Path(DOCS, "your_own_task.diff").read_text()
 
 
 @pytest.mark.parametrize("script", sorted(DIFFS))
 def test_the_diff_changes_the_task_section_alone(script, tmp_path):
-    old = open(os.path.join(ROOT, script)).read().splitlines()
-    new = open(patched(script, tmp_path)).read().splitlines()
+    old = Path(ROOT, script).read_text().splitlines()
+    new = Path(patched(script, tmp_path)).read_text().splitlines()
     section = task_section(old)
     changed = [
         (i1, i2)
