@@ -1285,7 +1285,7 @@ def bad_pass_warning(step: int, bad_pass: int, passes: int, skipped: int) -> str
         return f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)"
     return (
         f"WARNING: non-finite loss or gradient at step {step}, pass {bad_pass} of {passes}: that pass is not "
-        f"applied; the step keeps the updates of passes 1-{bad_pass - 1}"
+        f"applied; the step keeps the updates of the passes before it ({bad_pass - 1}) and is pushed"
     )
 
 
