@@ -244,8 +244,7 @@ def policy_loss(
       times 0 for a sequence whose exp(sum of (logp_old - logp_vllm)) lies outside [mis_low, mis_high]: masked
       importance sampling at the sequence level, for the same gap (off when both are None)
       plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
-    aggregation: the sum of the token losses / `divisor`, the whole step's (loss_divisor); grpo and gspo first divide
-    each sequence's tokens by its length. None: this batch is the whole step."""
+    aggregation: sum / `divisor`, the whole step's (loss_divisor; None: this batch's); grpo, gspo: per sequence first"""
     import torch
 
     mask = mask.to(logprobs.dtype)

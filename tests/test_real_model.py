@@ -153,9 +153,8 @@ RECIPE += ("--max-completion-tokens", "48", "--no-activation-checkpointing")
 def test_grpo_learns_arithmetic_with_verified_pushes(server, real_model, tmp_path):
     """grpo_gsm8k.py on the real model learns: 2 steps of the one-digit arithmetic task with the recipe of
     `demo_cpu.sh --real` and bench/arithmetic.py (8 prompts x 8 samples at T=0.6, 48 tokens, no system prompt, seed 2)
-    but 3 times its learning rate (3e-5), so that one update shows, and --skip-zero-std-groups (a group of equal
-    rewards has no gradient: step 1 feeds 2 groups of 8, not 8; the rewards are the same to the last digit), every
-    push verified by checksum (--verify-sync).
+    but 3 times its learning rate (3e-5), so that one update shows (a group of equal rewards has no gradient: step 1
+    feeds 2 groups of 8, not 8; frac_samples_skipped says so), every push verified by checksum (--verify-sync).
     Must hold: step 1 had a group with a gradient, and the training reward of step 2 is above step 1's by at least 0.1
     (measured alone at 3e-5, steps 1 -> 2: seed 2 0.031 -> 0.313, seed 3 0.016 -> 0.172; seed 1 0 -> 0.047, as a run
     that does not learn: no right answer at step 1, so no gradient); the trainer's logprobs equal the sampler's at each
@@ -163,11 +162,12 @@ def test_grpo_learns_arithmetic_with_verified_pushes(server, real_model, tmp_pat
     process the tests start: 45 and 80 s on a quiet 2-core machine. Micro-batches of 1,024 tokens, a quarter
     of the bench's: the suite runs beside other tests.)"""
     extra = ("--dataset", ARITHMETIC, "--train-steps", "2", "--seed", "2", *RECIPE, "--learning-rate", "3e-5")
-    extra += ("--micro-token-budget", "1024", "--skip-zero-std-groups")  # (later flags win: seed 2, lr 3e-5)
+    extra += ("--micro-token-budget", "1024")  # (later flags win: seed 2, lr 3e-5)
     out, m = run_grpo(server, real_model, tmp_path, *extra, timeout=1800)
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
     assert float(m[0]["frac_reward_zero_std"]) < 1, m  # a group of step 1 had right and wrong answers: a gradient
+    assert float(m[0]["frac_samples_skipped"]) == float(m[0]["frac_reward_zero_std"]), m  # binary rewards
     rewards = [float(x["reward"]) for x in m]
     assert rewards[1] >= rewards[0] + 0.1, rewards
     assert max_abs_diff(load_weights(tmp_path / "ckpt" / "step_2"), load_weights(real_model)) > 0
