@@ -75,13 +75,19 @@ def timed_lines(cmd: list, env=None, cwd=None):
 # ours: the server, then the unchanged script
 
 
-def start_server(model: str, port: int, log_path: str) -> subprocess.Popen:
-    """vllm_sync_server.py of `model`, in its own process group, once /health answers (at most 10 minutes)."""
+def start_server(model: str, port: int, log_path: str, all_cores: bool) -> subprocess.Popen:
+    """vllm_sync_server.py of `model`, in its own process group, once /health answers (at most 10 minutes). all_cores:
+    its OpenMP threads on every core, none kept for its scheduler, as grpo_gsm8k.py --start-server starts it on a CPU;
+    else vLLM's default (one core kept)."""
     import requests
 
     cmd = [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port), *SERVER_FLAGS]
+    env = dict(os.environ)
+    if all_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -96,10 +102,10 @@ def start_server(model: str, port: int, log_path: str) -> subprocess.Popen:
     sys.exit(f"the server did not answer /health within 10 minutes: see {log_path}")
 
 
-def run_ours(model: str, args, workdir: str) -> dict:
+def run_ours(model: str, args, workdir: str, all_cores: bool = True) -> dict:
     t0 = time.time()
     port = free_port()
-    server = start_server(model, port, os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log"))
+    server = start_server(model, port, os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log"), all_cores)
     server_s = time.time() - t0
     cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
     cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
@@ -117,7 +123,7 @@ def run_ours(model: str, args, workdir: str) -> dict:
             fields = dict(kv.split("=", 1) for kv in m.group(2).split())
             held_out[int(m.group(1))] = float(fields["eval/accuracy"])
             if "reward" in fields:
-                steps.append({"reward": float(fields["reward"]), "step_s": float(fields["step_s"])})
+                steps.append({k: float(fields[k]) for k in ("reward", "step_s", "generate_s", "update_s")})
             elif first is None:  # step 0: the evaluation before training, the trainer's start behind it
                 first = server_s + since
     finally:
@@ -275,6 +281,13 @@ def main():
     parser.add_argument("--seed", type=int, default=1, help="seed of both runs")
     parser.add_argument("--threshold", type=float, default=0.6, help="the held-out accuracy whose first step is timed")
     parser.add_argument("--model", default=None, help="(the real model of tests/real_model.py)")
+    parser.add_argument(
+        "--server-cores",
+        choices=["all", "both"],
+        default="both",
+        help="all: grpo_gsm8k.py's server on every core (as its --start-server on a CPU); both: a second run of ours "
+        "with vLLM's default (a core kept for its scheduler), to compare its generate_s and update_s",
+    )
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child:
@@ -284,7 +297,10 @@ def main():
 
     model = args.model or real_model_dir()
     runs = {}
-    for name, run in (("grpo_gsm8k.py", run_ours), ("TRL GRPOTrainer", run_trl)):
+    todo = [("grpo_gsm8k.py", run_ours), ("TRL GRPOTrainer", run_trl)]
+    if args.server_cores == "both":
+        todo.insert(1, ("ours, vLLM default", lambda *a: run_ours(*a, all_cores=False)))
+    for name, run in todo:
         workdir = tempfile.mkdtemp(prefix="cleanrlvr-trl-bench-")
         try:
             runs[name] = run(model, args, workdir)
@@ -303,6 +319,9 @@ def main():
         print(f"{name:<18}{r['step_s']:>8.1f}{reached:>26}{100 * r['last']:>20.1f}%")
     ours, trl = results["grpo_gsm8k.py"], results["TRL GRPOTrainer"]
     print(f"s/step, grpo_gsm8k.py / TRL: {ours['step_s'] / trl['step_s']:.2f}x")
+    for name in [n for n in runs if n != "TRL GRPOTrainer"]:  # where our step goes: sampling, and the update
+        medians = {k: statistics.median(s[k] for s in runs[name]["steps"][1:]) for k in ("generate_s", "update_s")}
+        print(f"{name}: median generate_s {medians['generate_s']:.1f}, update_s {medians['update_s']:.1f} (steps 2..)")
     if ours["reached"] is not None and trl["reached"] is not None:
         print(f"{target}, grpo_gsm8k.py / TRL: {ours['reached'] / trl['reached']:.2f}x")
 
