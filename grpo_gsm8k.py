@@ -193,6 +193,9 @@ class Args:
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# The algorithm: group_advantages, policy_loss, loss_divisor, make_batch, update_policy. Memory engineering, which
+# changes no number: token_logprobs's chunked lm_head and entropy_rows (no [b, L, V] tensor), and the packing of
+# sequences into micro-batches of --micro-token-budget tokens (pack_micro_batches, micro_batch, as_rows).
 # Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
 # completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
 # V vocabulary, H hidden size.
