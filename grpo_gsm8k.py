@@ -1386,10 +1386,9 @@ def start_vllm_server(args: Args, log_path: str):
     import torch
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
-    if not torch.cuda.is_available() and "tensor-parallel" not in args.server_args:  # vLLM on CPU keeps a core for
-        cores = sorted(
-            os.sched_getaffinity(0)
-        )  # its scheduler; this trainer waits while it samples: give it every core
+    # vLLM on CPU keeps a core for its scheduler; this trainer waits while it samples: give it every core
+    if not torch.cuda.is_available() and "tensor-parallel" not in args.server_args:
+        cores = sorted(os.sched_getaffinity(0))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     cmd = [

@@ -13,8 +13,9 @@ Based on grpo_gsm8k.py; what changes and why:
     the model.
 
 What it leaves out, on purpose: PPO's ratio, clip and KL (grpo_gsm8k.py has them), tensor or pipeline parallelism of
-the trainer, generating while training (pipeline_actor.py + pipeline_learner.py) and LoRA. The algorithm is the ALGO
-LOGIC section and the loop at the bottom; FSDP2 is one function, setup_model.
+the trainer, generating while training (pipeline_actor.py + pipeline_learner.py) and LoRA. Read it in order: Args,
+the algorithm (ALGO LOGIC), the task (TASK: MATH's data and grading), main() with the loop; below MACHINERY, what a
+learner can skip, FSDP2 among it (one function, setup_model).
 
   CUDA_VISIBLE_DEVICES=0 python vllm_sync_server.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16 \\
       --gpu-memory-utilization 0.8 --max-num-seqs 32
@@ -38,7 +39,7 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests
@@ -53,19 +54,19 @@ class Args:
     """Hugging Face model id or local directory"""
     seed: int = 1
     """seed of the data order, sampling and torch"""
-    dataset: str = "qwedsacf/competition_math"
-    """training set (train split; `problem`, `solution`), or a local directory with train.jsonl in its schema"""
-    eval_dataset: str = "HuggingFaceH4/MATH-500"
-    """evaluation set (test split; `problem`, `solution`), or a local directory with test.jsonl"""
+    dataset: str = field(default_factory=lambda: DATASET)
+    """training set (its train split): a Hugging Face dataset (config DATASET_CONFIG), or a local directory with
+    train.jsonl: rows that the TASK section's to_problem reads"""
+    eval_dataset: str = field(default_factory=lambda: EVAL_DATASET)
+    """evaluation set (its test split), read as --dataset is: a Hugging Face dataset, or a local directory with
+    test.jsonl"""
     limit: Optional[int] = None
     """use only the first `limit` training problems, counted after the evaluation overlap is dropped (None: all)"""
     keep_eval_overlap: bool = False
     """also train on the training problems whose text is an evaluation problem's (by default they are dropped:
     qwedsacf/competition_math, MATH's train and test splits together, holds every MATH-500 problem)"""
-    system_prompt: str = (
-        "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
-    )
-    """system prompt of every conversation ("" for none)"""
+    system_prompt: str = field(default_factory=lambda: SYSTEM_PROMPT)
+    """system prompt of every conversation ("" for none; the default is the TASK section's)"""
 
     # Algorithm specific arguments
     train_steps: int = 50
@@ -73,7 +74,7 @@ class Args:
     rollouts_per_update: int = 8
     """prompts per step on each rank (each gets --group-size completions)"""
     group_size: int = 8
-    """completions per prompt; advantages are relative to the group"""
+    """completions per prompt (G, 2 or more); advantages are relative to the group"""
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
@@ -89,9 +90,6 @@ class Args:
     mask_truncated_completions: bool = False
     """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
     reward still counts in the statistics"""
-    skip_zero_std_groups: bool = False
-    """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
-    normalised over the groups fed"""
 
     # FSDP2
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -172,6 +170,10 @@ class Args:
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# The algorithm: group_advantages, reinforce_loss, make_batch, update_policy (the loss's divisor: the step's tokens
+# over every rank). Memory engineering, which changes no number: token_logprobs's chunked lm_head and entropy_rows (no
+# [b, L, V] tensor), and the packing of sequences into micro-batches of --micro-token-budget tokens
+# (pack_micro_batches, micro_batch, as_rows). FSDP2's sharding is one function, setup_model (MACHINERY).
 # Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
 # completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
 # V vocabulary, H hidden size.
@@ -192,15 +194,18 @@ def zero_std_groups(rewards, group_size: int):
     return (r == r[:, :1]).all(dim=1)  # [B/G]
 
 
-def reinforce_loss(logprobs, advantages, mask):
-    """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / sum_i |o_i|.
-    logprobs, mask [B, T] (completion tokens), advantages [B]. Relation to GRPO (grpo_gsm8k.policy_loss): its token term
-    is -min(r A, clip(r) A) with r = pi / pi_old. Sampling and updating with the same weights (one optimizer step per
-    batch), r = 1 in value and d r = d log pi, so GRPO's gradient is this one's; the clip never fires and there is no
-    KL. Normalising by the tokens of the whole batch (DAPO's token-level mean) weighs every token alike."""
+def reinforce_loss(logprobs, advantages, mask, divisor=None):
+    """On-policy REINFORCE with group baselines: -sum_i A_i sum_t logp_it / divisor, the tokens with a gradient of the
+    whole step (update_policy; None: this batch's). logprobs, mask [B, T] (completion tokens), advantages [B].
+    Relation to GRPO (grpo_gsm8k.policy_loss): its token term is -min(r A, clip(r) A) with r = pi / pi_old. Sampling
+    and updating with the same weights (one optimizer step per batch), r = 1 in value and d r = d log pi, so GRPO's
+    gradient is this one's; the clip never fires and there is no KL. Dividing by the step's tokens (DAPO's token-level
+    mean, grpo_gsm8k's --loss-type dapo) weighs every token alike."""
     per_token = -advantages.unsqueeze(1) * logprobs  # [B, T]
     mask = mask.to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if divisor is None:  # this batch alone
+        divisor = mask.sum().clamp(min=1)
+    return (per_token * mask).sum() / divisor
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
@@ -291,7 +296,8 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
 
 
 class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
-    row: dict  # the data set's row (problem, solution)
+    prompt: str  # the user's message (to_problem's)
+    gold: str  # the gold answer grade compares with (to_problem's)
     prompt_ids: list[int]
     completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
     seed: int  # the random stream vLLM sampled it with
@@ -314,13 +320,16 @@ class Batch(NamedTuple):  # a step's B samples as the update sees them, in the o
     hit_limit: list[bool]  # [B] cut by --max-completion-tokens
     cut: list[bool]  # [B] cut by --max-seq-len
     zero_std: list[bool]  # [B/G] a group whose rewards are all equal (its advantages are 0)
-    fed: list[int]  # the samples fed through the model (--skip-zero-std-groups leaves those groups out)
     masked: list[bool]  # [B] no gradient for this sample's tokens (--mask-truncated-completions)
     trained: list[int]  # [B] tokens with a gradient
+    fed: list[int]  # the samples fed through the model: those that can change the gradient
 
 
-def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
-    """Which of the step's samples the update sees, and which of their tokens get a gradient."""
+def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
+    """Which of the step's samples the update sees, and which of their tokens get a gradient. A sample whose advantage
+    is exactly 0 adds 0 to every token's loss, and REINFORCE's loss has no other term: it is not fed at all (most
+    groups early and late in a run have equal rewards). The loss's divisor still counts its tokens (update_policy), so
+    the gradient is the one that feeding it would give."""
     G = args.group_size
     seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
     n_prompt = [len(sample.prompt_ids) for sample in samples]
@@ -328,66 +337,316 @@ def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
     hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]
     cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
     zero_std = zero_std_groups(rewards, G).tolist()
-    fed = [i for i in range(len(seqs)) if not (args.skip_zero_std_groups and zero_std[i // G])]
     masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(seqs))]
     trained = [0 if masked[i] else n_comp[i] for i in range(len(seqs))]
-    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked, trained)
-
-
-def tokens_fed(batch: Batch) -> int:
-    """Completion tokens fed through the model (0: nothing to learn from)."""
-    return sum(batch.n_comp[i] for i in batch.fed)
+    fed = [i for i in range(len(seqs)) if trained[i] and advantages[i] != 0]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, masked, trained, fed)
 
 
 def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, fresh: bool, check):
-    """One optimizer step over this rank's micro-batches, every rank together. Every rank must run the same number of
-    forward/backward passes (each one all-gathers parameters), so ranks with fewer micro-batches run empty ones that
-    contribute 0. `check(mismatch)` runs on the step's figure over every rank's tokens, before the update, when no
-    rank sampled a stale version (`fresh` on all). Returns this rank's sums (loss, mismatch, entropy), the global
-    grad_norm, and whether the step was bad (a non-finite gradient: no update, on every rank alike)."""
+    """One optimizer step over this rank's micro-batches of the samples fed, every rank together. Every rank must run
+    the same number of forward/backward passes (each one all-gathers parameters), so ranks with fewer micro-batches
+    run empty ones that contribute 0. `check(mismatch)` runs on the step's figure over every rank's tokens, before the
+    update, when no rank sampled a stale version (`fresh` on all). Returns this rank's sums (loss, mismatch, entropy,
+    tokens fed), the global grad_norm, and the pass that went bad (a non-finite gradient: no update, on every rank
+    alike), 0 if none did (REINFORCE makes one pass)."""
     import torch
 
     device = next(model.parameters()).device
     world_size = torch.distributed.get_world_size()
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
-    n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs
-    n_trained = all_sum(device, sum(batch.trained[i] for i in batch.fed))[0]  # tokens with a gradient, all ranks
-    stats = {"loss": 0.0, "mismatch_sum": 0.0, "entropy_sum": 0.0}
+    n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs (0: no rank fed a sample)
+    # The divisor, once for the step: the tokens with a gradient of every sample of every rank, fed or not (a sample
+    # not fed has advantage 0: fed, it would add 0 to the sum and its tokens to the count), so that no micro-batch
+    # needs to know the others. FSDP's reduce-scatter averages the ranks' gradients: it divides their sum by
+    # world_size. Each rank divides its summed token losses by tokens / world_size, which that average undoes: the
+    # gradient every rank steps with is the sum over all ranks and micro-batches / tokens, the token mean of the whole
+    # step, as one process feeding every sample would compute it (test_two_ranks_equal_one_process).
+    divisor = max(1.0, all_sum(device, sum(batch.trained))[0]) / world_size
+    stats = {
+        "loss": 0.0,
+        "mismatch_sum": 0.0,
+        "entropy_sum": 0.0,
+        "tokens_fed": sum(batch.n_comp[i] for i in batch.fed),
+    }
     optimizer.zero_grad(set_to_none=True)
     for m in range(n_micro):
-        # an empty turn reuses a micro-batch (or sample 0, if this rank fed nothing) with weight 0
-        idx = micro[m] if m < len(micro) else (micro[0] if micro else [0])
+        real = m < len(micro)  # else an empty turn, its loss times 0: a micro-batch again, or a sample if none was fed
+        idx = micro[m] if real else (micro[0] if micro else [batch.n_comp.index(max(batch.n_comp))])
         # reduce-scatter gradients once, after the last (meanwhile they accumulate unsharded), or after each
         model.set_requires_gradient_sync(args.reduce_every_micro_batch or m == n_micro - 1)
         ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
         train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
         flat, entropy = model.token_logprobs(ids, attn, at, args.train_temperature)  # [N], [N]
         logprobs = as_rows(flat, mask)  # [b, T], under the sampler's policy
-        # reinforce_loss is a token mean over this micro-batch. Weighted by its share of the step's tokens on all
-        # ranks, and times world_size because FSDP averages gradients over ranks, the sum over micro-batches and
-        # ranks is the token mean of the whole step: the single-process update.
-        weight = (sum(batch.trained[i] for i in idx) / max(n_trained, 1)) * world_size if m < len(micro) else 0.0
-        loss = reinforce_loss(logprobs, advantages[idx].to(device), train_mask) * weight
+        loss = reinforce_loss(logprobs, advantages[idx].to(device), train_mask, divisor) * real
         loss.backward()
-        if m < len(micro):
-            stats["loss"] += loss.item() / world_size
+        if real:
+            stats["loss"] += loss.item() / world_size  # summed over the ranks: the step's loss
             vllm_lp = sampler_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
             stats["mismatch_sum"] += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
             stats["entropy_sum"] += entropy.sum().item()
-    # the sampler's policy check, before the update: the step's figure over every rank's tokens (one small
-    # all-reduce), so that all ranks reach the same verdict and stop together
-    mismatch_all, fed_all, stale_ranks = all_sum(device, stats["mismatch_sum"], tokens_fed(batch), float(not fresh))
+    # the sampler's policy check, before the update: the step's figure over every rank's tokens fed (one small
+    # all-reduce), so that all ranks reach the same verdict and stop together; nan, which passes, when no rank fed a
+    # token (the step learns nothing, and the next push replaces the server's weights)
+    mismatch_all, fed_all, stale_ranks = all_sum(device, stats["mismatch_sum"], stats["tokens_fed"], float(not fresh))
     if stale_ranks == 0:
         check(mismatch_all / fed_all if fed_all else float("nan"))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     if not math.isfinite(stats["grad_norm"]):  # every rank sees the same (global) norm, so all skip or none does
-        return stats, True
+        return stats, 1
     optimizer.step()
-    return stats, False
+    return stats, 0
 
 
+# TASK: MATH. All that knows the task is here, and only that: its data sets and prompt, how a data row becomes a
+# problem, and how a completion is graded. To train on a task of your own, rewrite this section alone
+# (docs/your_own_task.md swaps in Countdown). The grading pool's workers import this file: keep it cheap to import.
+DATASET = "qwedsacf/competition_math"  # --dataset's default: a Hugging Face dataset id, or a folder of train.jsonl
+DATASET_CONFIG = None  # the hub datasets' configuration (None: their only one)
+EVAL_DATASET = "HuggingFaceH4/MATH-500"  # --eval-dataset's default: a hub dataset id, or a folder of test.jsonl
+SYSTEM_PROMPT = (  # --system-prompt's default
+    "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
+)
+
+
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+
+def to_problem(row) -> tuple[str, str]:
+    """One data row {problem, solution} -> (the user's message, the gold answer: the last \\boxed{} of the solution,
+    which MATH and MATH-500 write in every one; MATH-500's separate `answer` is not read). A row it cannot use raises
+    ValueError saying what is wrong: the run stops before any work, naming its file and line."""
+    if not isinstance(row, dict):
+        raise ValueError(f"not a JSON object but {type(row).__name__}")
+    for name in ("problem", "solution"):
+        if name not in row:
+            raise ValueError(f"no '{name}' field")
+        if not isinstance(row[name], str):
+            raise ValueError(f"'{name}' is not a string but {type(row[name]).__name__}")
+    if not row["problem"].strip():
+        raise ValueError("'problem' is empty")
+    if (answer := last_boxed(row["solution"])) is None:  # none, empty or unbalanced: grade could read no gold
+        raise ValueError("'solution' has no \\boxed{} answer")
+    return row["problem"], answer
+
+
+def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float = 5.0) -> Grade:
+    """Reward of one completion against `gold`: the answer to_problem read, or a whole MATH solution (its last
+    \\boxed{} is the answer). It may spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall
+    clock: load on the machine changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms
+    are off. Call it in a main thread (the limit is a signal) or through grade_batch.
+    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
+    before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
+    `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
+    missing `</think>` and a box only inside the thinking: each is a parse error.
+    """
+    import signal
+
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
+        if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
+            return Grade(0.0, False, True)  # no think block, an unclosed one, or another think tag
+        completion = m.group(2)
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = last_boxed(gold) or gold.strip()
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
+    try:  # never str() a parsed object: printing a deep expression can hang
+        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
+            signal.setitimer(signal.ITIMER_PROF, cpu_s)
+            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
+                return Grade(0.0, False, True)
+            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
+            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
+            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    except (Exception, CpuLimit):  # out of CPU time, or unparsable
+        return Grade(0.0, False, True)
+    finally:
+        signal.signal(signal.SIGPROF, old_handler)
+    return Grade(float(ok), bool(ok), False)
+
+
+# what a grading worker grades as it starts (warm_up_grader): no sample's clock runs while grade's imports load
+GRADE_EXAMPLE = ("<think>Solve it.</think> The answer is \\boxed{x \\le 1/2}.", "(-\\infty, 1/2]")
+
+
+def main() -> None:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    args = said_once(rank, parse_args)  # before importing torch: --help is instant
+    if rank and args.rank0_only_output:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
+    run_args = asdict(args)  # saved with every checkpoint
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=rank == 0) if args.resume else []  # the complete ones
+    said_once(rank, check_args, args, rank, world_size, ckpts)
+    train, test = said_once(rank, load_problems, args)  # (prompt, gold) pairs, every row checked: a bad one stops here
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    said_once(rank, check_server, url)  # before anything heavy: no server stops the run here, saying how to start one
+    import logging
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this rank's place on its node: its GPU
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if args.param_dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise SystemExit(  # every rank, before the group: the GPUs of one node are alike
+                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): use --param-dtype float32"
+            )
+    # torchrun sets MASTER_ADDR; plain `python` gets a group of one (FSDP2 wants a group even then)
+    alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **alone)
+    logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
+    log = logging.getLogger("reinforce_math_fsdp2")
+    log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # the same on every rank
+    loggers = set(args.logger.split(",")) if rank == 0 else set()
+
+    # data (loaded above) as chat prompts (token ids); per step, rank r takes every world_size-th of the next
+    # rollouts_per_update x world_size training prompts, and it evaluates every world_size-th test problem
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    eval_problems = test[rank::world_size]  # this rank's share of the evaluation problems
+    eval_prompts = [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in eval_problems]
+    eval_golds = [gold for _, gold in eval_problems]
+    # the server's context must hold the longest prompt and a whole completion: refused before the model loads, by
+    # every rank alike (each measures its share of the training problems; the longest over the ranks)
+    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    mine = [len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train[rank::world_size]]
+    longest = int(all_max(device, max(mine + [len(p) for p in eval_prompts], default=0)))
+    said_once(rank, check_lengths, longest, args.max_completion_tokens, served["max_model_len"])
+
+    # model: fp32 master weights, sharded; AdamW on the shards; resume
+    model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    counters = {"step": 0, "version": 0, "data_pos": 0, "wandb_id": None}  # a new run's
+    if ckpts:  # the sharded model and optimizer state: each rank reads its own shards
+        counters = load_trainer_state(os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}"), model, optimizer, rank)
+    step = counters["step"]  # optimizer steps taken
+    version = counters["version"]  # the policy version the server holds (one per push)
+    data_pos = counters["data_pos"]  # training prompts drawn so far, all ranks together (the order and seeds follow)
+    wandb_id = start_wandb(args, counters["wandb_id"]) if "wandb" in loggers else None  # --resume: the same W&B run
+    sync = None  # rank 0 alone talks to the server, in a group of its own outside the torchrun group
+    if rank == 0:
+        sync = init_weight_sync(url, device, args.sync_host)
+    push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
+    # the sampler's policy check: the limit for the dtypes both ends compute in, the same on every rank
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], args.param_dtype])
+
+    if args.eval_before_start and step == 0:
+        log_metrics(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device), step, loggers)
+    total_tokens = 0
+    start_time = time.time()
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    stop = 0  # the signal that stops the run, as every rank agreed at a step's end (0: none)
+    while step < args.train_steps and not stop:
+        t0 = time.time()
+        # 1) generate this rank's share of the step's prompts, group_size completions each
+        global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
+        problems = [train[problem_index(args.seed, data_pos + k, len(train))] for k in global_idx]
+        seeds = [rollout_seed(args.seed, data_pos + k, args.group_size) for k in global_idx]
+        data_pos += args.rollouts_per_update * world_size
+        results = generate(
+            url,
+            [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems],
+            args.group_size,
+            args.train_temperature,
+            args.max_completion_tokens,
+            args.concurrency,
+            seeds,
+        )
+        samples = [
+            Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+            for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
+            for j, completion in enumerate(res["completions"])
+        ]
+        # fresh: sampled by the version pushed last, which the trainer holds (it pushes after every step)
+        fresh = all(sample.completion["versions"] == [version] for sample in samples)
+        # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
+        grades = grade_batch(
+            [sample.completion["text"] for sample in samples],
+            [sample.gold for sample in samples],
+            args.grade_timeout_s,
+            strict_format=args.strict_format,
+            backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
+        )
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+
+        # 4) which samples the update sees (those that can change the gradient), which of their tokens get one
+        batch = make_batch(samples, rewards, advantages, args)
+
+        # 5) loss and update, every rank together; before it, the check that the server samples this policy
+        check = functools.partial(
+            check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
+        )
+        stats, bad_pass = update_policy(
+            model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, fresh, check
+        )
+        if bad_pass:
+            log.warning("non-finite gradient at step %d: step skipped", step + 1)
+        step += 1
+        # 6) push weights to vLLM: all ranks gather, rank 0 broadcasts
+        t_sync = time.time()
+        version += 1
+        push_weights(sync, model, version)
+        if args.verify_sync:
+            verify_weights(sync, model)
+        sync_s = time.time() - t_sync
+        # 7) log, evaluate, checkpoint
+        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
+        counts = {"completion_tokens": new_tokens, "total_completion_tokens": total_tokens, "version": version}
+        seconds = {"sync_s": sync_s, "step_s": time.time() - t0}
+        metrics = step_metrics(grades, batch, stats, counts, seconds, device)
+        total_tokens = metrics["total_completion_tokens"]
+        write_rollouts(args.rollout_log.replace("{RANK}", str(rank)), step, rank, samples, grades, advantages.tolist())
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device))
+        log_metrics(metrics, step, loggers)
+        # a signal reaches the ranks at different moments: they agree on it, so that all save the same step and stop
+        stop = int(all_max(device, STOP_REQUESTS[0] if STOP_REQUESTS else 0))
+        if step % args.save_every == 0 or step == args.train_steps or stop:
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            counters = {"step": step, "version": version, "data_pos": data_pos, "wandb_id": wandb_id}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args, rank)  # published on every rank
+            log.info("saved %s", path)
+            if rank == 0:
+                prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
+    dist.barrier()  # a rare abort at exit was seen without it
+    dist.destroy_process_group()
+    if stop and step < args.train_steps:  # every rank, with the same code
+        print(f"stopped by {signal.Signals(stop).name} after step {step}: --resume goes on from there", flush=True)
+        raise SystemExit(128 + stop)
+
+
+# MACHINERY: what a learner can skip. The step's metrics; the check that the server samples this policy; the grading
+# pool and the answer-reading helpers grade uses; FSDP2 (setup_model), the client side of vllm_sync_server.py and the
+# weight sync; the traps' checks; the data order and the sampling seeds; preemption; logging, evaluation, checkpoints
+# and resume; the arguments' and the data's refusals.
 def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict, device) -> dict:
     """The step's metrics (docs/reinforce_math_fsdp2.md, Logged metrics), summed over the ranks in one small
     all-reduce: from this rank's grades, batch and update `stats`, the run's `counts` (completion_tokens of this rank,
@@ -402,14 +661,15 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         stats["loss"],
         stats["mismatch_sum"],
         stats["entropy_sum"],
-        tokens_fed(batch),
+        stats["tokens_fed"],
         sum(batch.hit_limit),
         sum(batch.cut),
         sum(batch.zero_std),
         len(batch.zero_std),
+        len(batch.fed),
     )
     n, r_sum, correct, parse_err, tokens, loss_all, mismatch, entropy_all, fed = sums[:9]
-    n_hit_limit, n_cut, n_zero_std, n_groups = sums[9:]
+    n_hit_limit, n_cut, n_zero_std, n_groups, n_fed = sums[9:]
     return {
         "loss": loss_all,
         "grad_norm": stats["grad_norm"],
@@ -423,6 +683,7 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         "completion_truncated_rate": n_hit_limit / n,
         "seq_len_truncated_rate": n_cut / n,
         "frac_reward_zero_std": n_zero_std / n_groups,
+        "frac_samples_skipped": 1 - n_fed / n,  # no gradient to give: not fed (make_batch)
         "logprob_mismatch": mismatch / fed if fed else float("nan"),
         "version": counts["version"],
         **seconds,
@@ -459,15 +720,8 @@ def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: in
         )
 
 
-# TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
-# Runs in worker processes with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it
-# never hangs the loop.
-class Grade(NamedTuple):
-    reward: float
-    correct: bool
-    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
-
-
+# Grading: the pool that runs the TASK's grade in worker processes, with a CPU-time limit per sample (load changes no
+# verdict) and a wall-clock backstop, so it never hangs the loop; and the helpers MATH's grade reads answers with.
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
@@ -492,7 +746,11 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+
+
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
+
+
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"),
     (r"\\(?:left|right)\s*\.", ""),
@@ -563,49 +821,6 @@ def normalize_answer(s: str) -> str:
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
 
-def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float = 5.0) -> Grade:
-    """Reward of one completion; `gold` is a MATH `solution` (its last \\boxed{} is the answer) or a bare answer
-    (MATH-500). It may spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load
-    on the machine changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms are off.
-    Call it in a main thread (the limit is a signal) or through grade_batch.
-    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
-    before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
-    `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
-    missing `</think>` and a box only inside the thinking: each is a parse error.
-    """
-    import signal
-
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
-        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
-        if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
-            return Grade(0.0, False, True)  # no think block, an unclosed one, or another think tag
-        completion = m.group(2)
-    if (box := last_boxed(completion)) is None or len(box) > 1000:
-        return Grade(0.0, False, True)
-    gold = last_boxed(gold) or gold.strip()
-    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
-    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
-    try:  # never str() a parsed object: printing a deep expression can hang
-        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
-            signal.setitimer(signal.ITIMER_PROF, cpu_s)
-            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
-                return Grade(0.0, False, True)
-            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
-            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
-            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
-        finally:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-    except (Exception, CpuLimit):  # out of CPU time, or unparsable
-        return Grade(0.0, False, True)
-    finally:
-        signal.signal(signal.SIGPROF, old_handler)
-    return Grade(float(ok), bool(ok), False)
-
-
 def warm_up_grader() -> None:
     """A grading worker's start (the pool's initializer): it runs before the worker takes its first sample, so no
     sample's clock runs while sympy imports."""
@@ -620,8 +835,7 @@ def warm_up_grader() -> None:
     # torchrun signals each rank's whole process group (os.killpg): a worker leaves it, so that torchrun's SIGTERM
     # does not end it in the middle of the step the rank finishes (its samples would score 0)
     os.setpgrp()
-    # imports sympy and builds math-verify's parsers (~1 s of CPU)
-    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]", strict_format=False)
+    grade(*GRADE_EXAMPLE)  # the task's own example (MATH: imports sympy, builds math-verify's parsers, ~1 s of CPU)
 
 
 GRADERS: dict = {}  # workers -> pebble.ProcessPool, started on first use and reused; stop_graders ends them
@@ -683,8 +897,9 @@ def grade_batch(
 # FSDP2, and the client side of vllm_sync_server.py
 def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, device):
     """FSDP2 at any world size, one rank included (the same mixed precision everywhere); call on every rank of the
-    default process group. Rank 0 alone reads the checkpoint (fp32, host RAM); the others build the model on the meta
-    device. Each decoder layer is sharded, then the root (embeddings, final norm, lm_head): a layer's parameters are
+    default process group. A model whose forward changes its logits after the lm_head is refused (check_logits), and
+    dropout is off. Rank 0 alone reads the checkpoint (fp32, host RAM); the others build the model on the meta device.
+    Each decoder layer is sharded, then the root (embeddings, final norm, lm_head): a layer's parameters are
     all-gathered just before it runs and freed after. Rank 0 then broadcasts each full tensor and every rank keeps its
     shard (tied embeddings stay one parameter), and the buffers (rotary frequencies). Compute in `param_dtype`;
     gradients are reduce-scattered in fp32 (bf16 sums over ranks lose precision). fp32 master weights and AdamW state
@@ -695,14 +910,17 @@ def setup_model(path: str, param_dtype: str, activation_checkpointing: bool, dev
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(path)
+    said_once(dist.get_rank(), check_logits, config)  # token_logprobs's lm_head shortcut must give the model's logits
     if dist.get_rank() == 0:  # the full state dict keeps the CPU tensors once fully_shard has swapped in the shards
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = model.state_dict()
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         full = {}
     model.train()
+    disable_dropout(model)  # the policy's logprobs must be the sampler's: no random masks in training mode
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
@@ -921,6 +1139,71 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def check_server(url: str) -> None:
+    """Before any work: a server must answer at `url` (a bounded wait of a few seconds). None does: one line naming
+    the URL and how to start one, exit 1."""
+    for attempt in range(3):
+        try:
+            requests.get(url + "/health", timeout=10, headers=auth_headers())
+            return
+        except requests.RequestException:
+            time.sleep(attempt + 1)
+    raise SystemExit(
+        f"no server answers at {url}: start one (python vllm_sync_server.py --model MODEL --port PORT), or pass "
+        "--start-server to have this script start it"
+    )
+
+
+def check_logits(config) -> None:
+    """Refuse a model whose forward changes its logits after the lm_head (Gemma 2 and 3 soft-cap them, Cohere and
+    Granite scale them): token_logprobs computes lm_head(hidden) itself (a memory saving), so its logprobs would be
+    neither the model's nor vLLM's."""
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise SystemExit(
+                f"{config.model_type} changes its logits after the lm_head ({name}={getattr(config, name)}): "
+                "token_logprobs computes lm_head(hidden) directly and would not get this model's logprobs"
+            )
+
+
+def disable_dropout(model) -> None:
+    """Dropout off in every module, the model still in training mode (activation checkpointing runs only then): a
+    dropout mask would make the trainer's logprobs noisy, the first pass's ratio not 1, and the server look wrong.
+    nn.Dropout layers and the attention's dropout probability (an attribute such as `attention_dropout`) go to 0."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def start_wandb(args: Args, run_id: Optional[str]) -> str:
+    """Start W&B logging (it reads WANDB_* variables; WANDB_MODE=offline writes to ./wandb only) and return the run's
+    id, saved with each checkpoint: --resume continues that W&B run, not a new one."""
+    import wandb
+
+    return wandb.init(config=asdict(args), id=run_id, resume="allow").id
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The order of the n training problems in epoch `epoch`: a new permutation every epoch, drawn from (seed, epoch)
+    alone (epoch 0: from the seed, as in earlier versions of this script)."""
+    import numpy as np
+
+    return tuple(np.random.default_rng([seed, epoch] if epoch else seed).permutation(n).tolist())
+
+
+def problem_index(seed: int, position: int, n: int) -> int:
+    """The training problem drawn at `position` of the run (prompts counted over steps and resumes): reshuffled every
+    epoch, so a resumed run draws what an uninterrupted one would."""
+    epoch, i = divmod(position, n)
+    return epoch_order(seed, epoch, n)[i]
+
+
 # Sampling seeds. vLLM seeds sample j of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py), so two
 # requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
 # of prompt i and sample j - 1 of prompt i + 1 draw the same numbers (and the next step reuses them), so a policy that
@@ -954,73 +1237,6 @@ def generate(
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))
-
-
-def problem_key(text: str) -> str:
-    """A problem's text as the overlap check compares it: runs of whitespace collapsed to one space, the ends
-    stripped; case, punctuation and LaTeX stay (they can change the problem)."""
-    return " ".join(text.split())
-
-
-def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> tuple[list[dict], int]:
-    """The training rows whose problem (`field`) is no evaluation row's, by problem_key, in their order; and how many
-    were dropped."""
-    evaluated = {problem_key(row[field]) for row in evaluation}
-    kept = [row for row in train if problem_key(row[field]) not in evaluated]
-    return kept, len(train) - len(kept)
-
-
-def load_split(dataset: str, split: str) -> list[dict]:
-    """Rows with `problem` and `solution`: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row
-    is checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
-    index)."""
-    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
-        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
-    else:
-        import datasets
-
-        rows = [(f"{dataset} {split}[{i}]", row) for i, row in enumerate(datasets.load_dataset(dataset, split=split))]
-    for where, row in rows:
-        if problem := row_problem(row, "problem", "solution") or gold_problem(row["solution"]):
-            refuse(f"{where}: {problem}")
-    return [row for _, row in rows]
-
-
-def read_jsonl(file: str) -> list[tuple[str, object]]:
-    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
-    rows = []
-    with open(file) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
-            except json.JSONDecodeError as e:
-                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
-    return rows
-
-
-def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
-    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
-    problem not empty."""
-    if not isinstance(row, dict):
-        return f"not a JSON object but {type(row).__name__}"
-    for name in (problem_field, gold_field):
-        if name not in row:
-            return f"no '{name}' field"
-        if not isinstance(row[name], str):
-            return f"'{name}' is not a string but {type(row[name]).__name__}"
-    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
-
-
-def gold_problem(solution: str) -> Optional[str]:
-    """What keeps grade from reading a MATH gold answer, or None: grade reads the last \\boxed{} of the solution
-    (last_boxed), so there must be one, balanced and not empty (MATH-500's bare `answer` is not read)."""
-    return None if last_boxed(solution) is not None else "'solution' has no \\boxed{} answer"
-
-
-def refuse(message: str) -> None:
-    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
-    print(message, file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 # Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,
@@ -1137,7 +1353,8 @@ def write_rollouts(path: str, step: int, rank: int, samples: list, grades: list,
             record = {
                 "step": step,
                 "rank": rank,
-                "problem": sample.row["problem"],
+                "prompt": sample.prompt,
+                "gold": sample.gold,
                 "completion": sample.completion["text"],
                 **grade_._asdict(),
                 "advantage": advantage,
@@ -1217,6 +1434,28 @@ def publish_checkpoint(tmp: str, path: str) -> None:
     os.close(fd)
 
 
+def load_trainer_state(path: str, model, optimizer, rank: int) -> dict:
+    """What save_checkpoint saved at `path` besides the Hugging Face model, on every rank: the model's and the
+    optimizer's shards into `model` and `optimizer` (DCP: each rank reads its own), and this rank's random generators.
+    Returns the run's counters (step, version, data_pos, wandb_id)."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), map_location="cpu", weights_only=False)
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    print(f"resumed from {path} at step {state['step']}", flush=True)
+    return {name: state.get(name) for name in ("step", "version", "data_pos", "wandb_id")}
+
+
 def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
     """The steps N of the complete step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none).
     publish_checkpoint puts only whole checkpoints there, so anything else was cut short: a step_N.tmp, or a step_N
@@ -1247,7 +1486,6 @@ def saved_args(path: str) -> dict:
 
 COUNTS = (  # the flags that count something: each must be 1 or more
     "rollouts_per_update",
-    "group_size",
     "micro_token_budget",
     "max_seq_len",
     "max_completion_tokens",
@@ -1297,6 +1535,8 @@ def check_args(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None
     --resume) has --train-steps already, else refuse what cannot run."""
     if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
         raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    if args.group_size < 2:  # a group of one is its own baseline: its advantage is 0 (its std NaN) and nothing learns
+        refuse(f"--group-size must be 2 or more (each completion is scored against its group's), got {args.group_size}")
     if ckpts and ckpts[-1] >= args.train_steps:
         print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
         raise SystemExit(0)
@@ -1317,24 +1557,6 @@ def check_args(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None
     for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
         if value is not None and value < 1:
             raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
-
-
-def load_math_problems(args: Args) -> tuple[list[dict], list[dict]]:
-    """Before torch is imported, on every rank (said_once): the training problems less those of the evaluation set
-    (its whole test split, not only --eval-limit's share), then --limit; and the first --eval-limit evaluation
-    problems. load_split checks every row: a bad one stops the run, as a set with nothing to train on does."""
-    train = load_split(args.dataset, "train")
-    test = load_split(args.eval_dataset, "test")
-    clean, overlap = drop_eval_overlap(train, test, "problem")
-    fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
-    print(
-        f"training problems: {len(train)} in {args.dataset}, {overlap} of them evaluation problems: {fate}", flush=True
-    )
-    kept = (train if args.keep_eval_overlap else clean)[: args.limit]
-    if not kept:
-        dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
-        raise SystemExit(f"no training problems: {args.dataset} holds {len(train)}{dropped}")
-    return kept, test[: args.eval_limit]
 
 
 def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
@@ -1377,177 +1599,78 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
         shutil.rmtree(os.path.join(checkpoint_dir, f"step_{n}"))
 
 
-if __name__ == "__main__":
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    args = said_once(rank, parse_args)  # before importing torch: --help is instant
-    if rank and args.rank0_only_output:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process: never closed)
-    run_args = asdict(args)  # saved with every checkpoint
-    ckpts = checkpoint_steps(args.checkpoint_dir, say=rank == 0) if args.resume else []  # the complete ones
-    said_once(rank, check_args, args, rank, world_size, ckpts)
-    train, test = said_once(rank, load_math_problems, args)  # before anything heavy: a bad row stops the run here
-    import logging
-    import random
+def problem_key(text: str) -> str:
+    """A problem's text as the overlap check compares it: runs of whitespace collapsed to one space, the ends
+    stripped; case, punctuation and LaTeX stay (they can change the problem)."""
+    return " ".join(text.split())
 
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from transformers import AutoTokenizer
 
-    # TRY NOT TO MODIFY: the torchrun group (FSDP's collectives and a few sums of metrics; never the weight push)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this rank's place on its node: its GPU
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if args.param_dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            raise SystemExit(  # every rank, before the group: the GPUs of one node are alike
-                f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): use --param-dtype float32"
-            )
-    # torchrun sets MASTER_ADDR; plain `python` gets a group of one (FSDP2 wants a group even then)
-    alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), **alone)
-    logging.basicConfig(level=args.log_level, format=f"[rank{rank}] %(levelname)s %(message)s")
-    log = logging.getLogger("reinforce_math_fsdp2")
-    log.info("rank %d of %d, local rank %d (on this node), device %s", rank, world_size, local_rank, device)
+def drop_eval_overlap(train: list[tuple], evaluation: list[tuple]) -> tuple[list[tuple], int]:
+    """The training problems (prompt, gold) whose prompt is no evaluation problem's, by problem_key, in their order;
+    and how many were dropped."""
+    evaluated = {problem_key(prompt) for prompt, _ in evaluation}
+    kept = [problem for problem in train if problem_key(problem[0]) not in evaluated]
+    return kept, len(train) - len(kept)
 
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)  # the same on every rank
-    url = f"http://{args.vllm_host}:{args.vllm_port}"
-    loggers = set(args.logger.split(",")) if rank == 0 else set()
-    if "wandb" in loggers:
-        import wandb
 
-        wandb.init(config=asdict(args), resume="allow")
+def load_split(dataset: str, split: str) -> list[tuple[str, str]]:
+    """The split's problems, each row through the TASK's to_problem: from the hub (config DATASET_CONFIG), or from
+    `dataset`/{split}.jsonl. Every row is checked here, before any work: one that to_problem refuses stops the run,
+    named by its file and line (a hub row: its split and index)."""
+    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
 
-    # data (loaded above): one permutation on all ranks; per step, rank r keeps every world_size-th of the next
-    # rollouts_per_update x world_size prompts
-    order = np.random.default_rng(args.seed).permutation(len(train))
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    eval_rows = test[rank::world_size]  # this rank's share of the evaluation problems
-    eval_prompts = [prompt_ids(tokenizer, args.system_prompt, row["problem"]) for row in eval_rows]
-    # the server's context must hold the longest prompt and a whole completion: refused before the model loads, by
-    # every rank alike (each measures its share of the training problems; the longest over the ranks)
-    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
-    mine = [len(prompt_ids(tokenizer, args.system_prompt, row["problem"])) for row in train[rank::world_size]]
-    longest = int(all_max(device, max(mine + [len(p) for p in eval_prompts], default=0)))
-    said_once(rank, check_lengths, longest, args.max_completion_tokens, served["max_model_len"])
-
-    # model: fp32 master weights, sharded; AdamW on the shards
-    model = setup_model(args.model, args.param_dtype, args.activation_checkpointing, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    step = 0  # optimizer steps taken
-    version = 0  # the policy version the server holds (one per push)
-    data_pos = 0  # training prompts drawn so far, all ranks together (the data order and the seeds follow it)
-    if ckpts:  # the sharded model and optimizer state: each rank reads its own shards
-        path = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}")
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "trainer"))
-        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-        state = torch.load(os.path.join(path, "trainer", f"rank{rank}.pt"), map_location="cpu", weights_only=False)
-        step = state["step"]
-        version = state["version"]
-        data_pos = state["data_pos"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        log.info("resumed from %s at step %d", path, step)
-    sync = None  # rank 0 alone talks to the server, in a group of its own outside the torchrun group
-    if rank == 0:
-        sync = init_weight_sync(url, device, args.sync_host)
-    push_weights(sync, model, version)  # all ranks gather; the server may hold other weights
-    # the sampler's policy check: the limit for the dtypes both ends compute in, the same on every rank
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], args.param_dtype])
-
-    eval_golds = [row["solution"] for row in eval_rows]
-    if args.eval_before_start and step == 0:
-        log_metrics(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device), step, loggers)
-    total_tokens = 0
-    start_time = time.time()
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
-        signal.signal(signum, request_stop)
-    stop = 0  # the signal that stops the run, as every rank agreed at a step's end (0: none)
-    while step < args.train_steps and not stop:
-        t0 = time.time()
-        # 1) generate this rank's share of the step's prompts, group_size completions each
-        global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
-        rows = [train[order[(data_pos + k) % len(train)]] for k in global_idx]
-        seeds = [rollout_seed(args.seed, data_pos + k, args.group_size) for k in global_idx]
-        data_pos += args.rollouts_per_update * world_size
-        results = generate(
-            url,
-            [prompt_ids(tokenizer, args.system_prompt, row["problem"]) for row in rows],
-            args.group_size,
-            args.train_temperature,
-            args.max_completion_tokens,
-            args.concurrency,
-            seeds,
-        )
-        samples = [
-            Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
-            for row, res, seed in zip(rows, results, seeds, strict=True)
-            for j, completion in enumerate(res["completions"])
+        rows = [
+            (f"{dataset} {split}[{i}]", row)
+            for i, row in enumerate(datasets.load_dataset(dataset, DATASET_CONFIG, split=split))
         ]
-        # fresh: sampled by the version pushed last, which the trainer holds (it pushes after every step)
-        fresh = all(sample.completion["versions"] == [version] for sample in samples)
-        # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
-        grades = grade_batch(
-            [sample.completion["text"] for sample in samples],
-            [sample.row["solution"] for sample in samples],
-            args.grade_timeout_s,
-            strict_format=args.strict_format,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
-        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+    problems = []
+    for where, row in rows:
+        try:
+            problems.append(to_problem(row))
+        except ValueError as e:
+            refuse(f"{where}: {e}")
+    return problems
 
-        # 4) which samples the update sees, and which of their tokens get a gradient (groups never straddle ranks)
-        batch = make_batch(samples, rewards, args)
 
-        # 5) loss and update, every rank together; before it, the check that the server samples this policy
-        check = functools.partial(
-            check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
-        )
-        stats, bad = update_policy(
-            model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, fresh, check
-        )
-        if bad:
-            log.warning("non-finite gradient at step %d: step skipped", step)
-        step += 1
-        # 6) push weights to vLLM: all ranks gather, rank 0 broadcasts
-        t_sync = time.time()
-        version += 1
-        push_weights(sync, model, version)
-        if args.verify_sync:
-            verify_weights(sync, model)
-        sync_s = time.time() - t_sync
-        # 7) log, evaluate, checkpoint
-        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
-        counts = {"completion_tokens": new_tokens, "total_completion_tokens": total_tokens, "version": version}
-        seconds = {"sync_s": sync_s, "step_s": time.time() - t0}
-        metrics = step_metrics(grades, batch, stats, counts, seconds, device)
-        total_tokens = metrics["total_completion_tokens"]
-        write_rollouts(args.rollout_log.replace("{RANK}", str(rank)), step, rank, samples, grades, advantages.tolist())
-        if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate(url, eval_prompts, eval_golds, args, rank, world_size, device))
-        log_metrics(metrics, step, loggers)
-        # a signal reaches the ranks at different moments: they agree on it, so that all save the same step and stop
-        stop = int(all_max(device, STOP_REQUESTS[0] if STOP_REQUESTS else 0))
-        if step % args.save_every == 0 or step == args.train_steps or stop:
-            path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            counters = {"step": step, "version": version, "data_pos": data_pos}
-            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args, rank)  # published on every rank
-            log.info("saved %s", path)
-            if rank == 0:
-                prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
-    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
-    dist.barrier()  # a rare abort at exit was seen without it
-    dist.destroy_process_group()
-    if stop and step < args.train_steps:  # every rank, with the same code
-        print(f"stopped by {signal.Signals(stop).name} after step {step}: --resume goes on from there", flush=True)
-        raise SystemExit(128 + stop)
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def load_problems(args: Args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Before torch is imported, on every rank (said_once): the (prompt, gold) problems. The training problems less
+    those of the evaluation set (its whole test split, not only --eval-limit's share), then --limit; and the first
+    --eval-limit evaluation problems. load_split checks every row: a bad one stops the run, as a set with nothing to
+    train on does."""
+    train = load_split(args.dataset, "train")
+    test = load_split(args.eval_dataset, "test")
+    clean, overlap = drop_eval_overlap(train, test)
+    fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
+    print(
+        f"training problems: {len(train)} in {args.dataset}, {overlap} of them evaluation problems: {fate}", flush=True
+    )
+    kept = (train if args.keep_eval_overlap else clean)[: args.limit]
+    if not kept:
+        dropped = f", and the {overlap} that are evaluation problems were dropped" if overlap else ""
+        raise SystemExit(f"no training problems: {args.dataset} holds {len(train)}{dropped}")
+    return kept, test[: args.eval_limit]
+
+
+if __name__ == "__main__":
+    main()

@@ -22,19 +22,19 @@ def test_the_committed_files_are_what_the_generator_writes(tmp_path):
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_held_out_problems_are_disjoint_and_every_row_grades_its_own_answer(folder):
-    m = import_script("grpo_gsm8k.py")
-    problem, gold = ("question", "answer") if folder.endswith("gsm8k") else ("problem", "solution")
+    """Each folder through the to_problem and grade of the trainer of its schema: GSM8K's (grpo_gsm8k.py: the gold is
+    the number after ####) or MATH's (reinforce_math_fsdp2.py: the solution's box, which is also the row's answer)."""
+    m = import_script("grpo_gsm8k.py" if folder.endswith("gsm8k") else "reinforce_math_fsdp2.py")
     train = read_jsonl(os.path.join(FIXTURES, folder, "train.jsonl"))
     test = read_jsonl(os.path.join(FIXTURES, folder, "test.jsonl"))
     assert (len(train), len(test)) == (96, 32)
-    assert not {r[problem] for r in train} & {r[problem] for r in test}
+    assert not {m.to_problem(r)[0] for r in train} & {m.to_problem(r)[0] for r in test}
     for row in train + test:
-        assert m.row_problem(row, problem, gold) is None
-        if problem == "question":  # GSM8K: the number after ####
-            assert m.gold_problem(row["answer"]) is None
-            answer = row["answer"].split("####")[-1].strip()
-        else:  # MATH: the solution's box, which is also the row's answer
-            answer = m.last_boxed(row["solution"])
-            assert answer == row["answer"]
-        assert m.grade(f"The answer is \\boxed{{{answer}}}.", answer).correct
-        assert not m.grade(f"The answer is \\boxed{{{int(answer) + 1}}}.", answer).correct
+        _, gold = m.to_problem(row)  # the row passes the script's data checks
+        if folder.endswith("gsm8k"):
+            assert gold == row["answer"].split("####")[-1].strip()
+        else:
+            assert gold == m.last_boxed(row["solution"]) == row["answer"]
+        # (a think block: MATH's trainer grades the strict format by default; GSM8K's reads the last box alone)
+        assert m.grade(f"<think>Add them.</think> The answer is \\boxed{{{gold}}}.", gold).correct
+        assert not m.grade(f"<think>Add them.</think> The answer is \\boxed{{{int(gold) + 1}}}.", gold).correct

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FIXTURES, PY, ROOT, free_port, import_script, read_jsonl
 
-TRAINERS = {"grpo_gsm8k.py": "question", "reinforce_math_fsdp2.py": "problem"}  # script -> its problems' field
+TRAINERS = ("grpo_gsm8k.py", "reinforce_math_fsdp2.py")  # the scripts that drop their evaluation set's problems
 COUNTS = {  # script -> its flags that count problems
     "grpo_gsm8k.py": ["--limit", "--eval-limit"],
     "reinforce_math_fsdp2.py": ["--limit", "--eval-limit"],
@@ -45,22 +45,21 @@ def test_the_overlap_functions_are_identical_copies():
 
 @pytest.mark.parametrize("script", TRAINERS)
 def test_drop_eval_overlap(script):
-    """Whitespace runs and the ends do not count; case, punctuation and every other character do. The kept rows stay
-    in their order, duplicates of an evaluation problem all go."""
+    """Whitespace runs and the ends do not count; case, punctuation and every other character do. The kept problems
+    (prompt, gold) stay in their order, duplicates of an evaluation problem all go; the golds play no part."""
     m = import_script(script)
-    f = TRAINERS[script]
-    evaluation = [{f: "If $x + 3 = 10$, what is $x$?"}, {f: "Find  the\n sum."}]
+    evaluation = [("If $x + 3 = 10$, what is $x$?", "7"), ("Find  the\n sum.", "3")]
     train = [
-        {f: "Find the sum."},  # whitespace differs: dropped
-        {f: "If $X + 3 = 10$, what is $X$?"},  # case differs: kept
-        {f: " If $x + 3 = 10$,\twhat is $x$? \n"},  # dropped
-        {f: "Find the sums."},  # kept
-        {f: "Find the sum."},  # a duplicate: dropped too
+        ("Find the sum.", "3"),  # whitespace differs: dropped
+        ("If $X + 3 = 10$, what is $X$?", "7"),  # case differs: kept
+        (" If $x + 3 = 10$,\twhat is $x$? \n", "7"),  # dropped
+        ("Find the sums.", "3"),  # kept
+        ("Find the sum.", "4"),  # a duplicate, another gold: dropped too
     ]
-    kept, dropped = m.drop_eval_overlap(train, evaluation, f)
+    kept, dropped = m.drop_eval_overlap(train, evaluation)
     assert kept == [train[1], train[3]] and dropped == 3
-    assert m.drop_eval_overlap(train, [], f) == (train, 0)
-    assert m.drop_eval_overlap([], evaluation, f) == ([], 0)
+    assert m.drop_eval_overlap(train, []) == (train, 0)
+    assert m.drop_eval_overlap([], evaluation) == ([], 0)
 
 
 @pytest.mark.parametrize("script", TRAINERS)
@@ -69,14 +68,14 @@ def test_drop_eval_overlap_on_math500(script):
     All 500 against themselves: all go."""
     _need_math500()
     m = import_script(script)
-    math500 = read_jsonl(MATH500)
-    others = read_jsonl(os.path.join(FIXTURES, "math", "train.jsonl"))
-    copied = [dict(r) for r in math500[100:105]]
-    copied[0]["problem"] = "  " + copied[0]["problem"].replace(" ", "\n  ") + "\n"
+    math500 = [(r["problem"], r["answer"]) for r in read_jsonl(MATH500)]
+    others = [(r["problem"], r["solution"]) for r in read_jsonl(os.path.join(FIXTURES, "math", "train.jsonl"))]
+    copied = math500[100:105]
+    copied[0] = ("  " + copied[0][0].replace(" ", "\n  ") + "\n", copied[0][1])
     train = others[:4] + copied + others[4:]
-    kept, dropped = m.drop_eval_overlap(train, math500, "problem")
+    kept, dropped = m.drop_eval_overlap(train, math500)
     assert dropped == 5 and kept == others
-    assert m.drop_eval_overlap(math500, math500, "problem") == ([], 500)
+    assert m.drop_eval_overlap(math500, math500) == ([], 500)
 
 
 def _run(script: str, *args: str, cwd) -> subprocess.CompletedProcess:
@@ -140,7 +139,7 @@ def test_a_training_set_of_evaluation_problems_is_refused_before_a_model_loads(s
     r = _run(script, *flags, "--keep-eval-overlap", "--limit", "3", cwd=tmp_path)
     assert r.returncode != 0 and "no training problems" not in _said(r)
     assert f"training problems: {n} in {data}, {n} of them" in _said(r) and "kept (--keep-eval-overlap)" in _said(r)
-    assert "torch" in _imported(r.stderr)  # it went on, past the data
+    assert "no server answers at http://127.0.0.1:" in _said(r)  # it went on, past the data, to the server check
 
 
 @pytest.mark.parametrize("script", [*TRAINERS, "pipeline_actor.py"])

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, read_jsonl
 
 SCRIPTS = ["grpo_gsm8k.py", "pipeline_actor.py", "eval.py"]  # the scripts that grade GSM8K, each checked alone
 EVAL = "eval.py"  # its loader and grader take the task: it grades MATH-500 too
-MATH_TRAINER = "reinforce_math_fsdp2.py"  # the script that trains on MATH (its gold: a row's solution)
+MATH_TRAINER = "reinforce_math_fsdp2.py"  # the script that trains on MATH (its gold: a solution's box)
 DATA = Path(ROOT).parent / "shared" / "data"
 GSM8K = DATA / "gsm8k_test.jsonl"
 MATH500 = DATA / "math500_test.jsonl"
@@ -70,20 +70,23 @@ def test_gsm8k_every_row(script, tmp_path):
 
 
 def test_math500_every_row_reinforce(tmp_path):
-    """MATH_TRAINER's gold is a row's `solution` (its last box): a strict completion boxing that box, or
-    the row's separate `answer` field (the same answer, often written differently), is correct; so is the solution's
-    box against the bare `answer` as gold (which grade also takes), where no extraction can cancel out."""
+    """MATH_TRAINER's gold is the last box of a row's `solution` (to_problem's): a strict completion boxing it, or the
+    row's separate `answer` field (the same answer, often written differently), is correct against it; so is the box
+    against the whole solution (which grade also takes) and against the bare `answer` as gold, where no extraction can
+    cancel out."""
     _need(MATH500)
     m = import_script(MATH_TRAINER)
-    rows = m.load_split(_as_test_split(MATH500, tmp_path), "test")
-    assert len(rows) == 500 and all(set(r) >= {"problem", "solution", "answer"} for r in rows)
-    solutions = [r["solution"] for r in rows]  # the script's gold
+    problems = m.load_split(_as_test_split(MATH500, tmp_path), "test")
+    rows = read_jsonl(MATH500)
+    assert len(problems) == 500 and [prompt for prompt, _ in problems] == [r["problem"] for r in rows]
+    boxes = [gold for _, gold in problems]  # the script's gold
+    assert all(boxes) and boxes == [m.last_boxed(r["solution"]) for r in rows]
+    solutions = [r["solution"] for r in rows]
     answers = [r["answer"] for r in rows]
-    boxes = [m.last_boxed(g) for g in solutions]
-    assert all(boxes)
     for name, boxed, golds in (
-        ("solution's box", boxes, solutions),
-        ("answer field", answers, solutions),
+        ("solution's box", boxes, boxes),
+        ("answer field", answers, boxes),
+        ("solution's box vs the whole solution", boxes, solutions),
         ("solution's box vs bare answer", boxes, answers),
     ):
         comps = [f"<think>Let me solve it.</think>\nThe answer is $\\boxed{{{a}}}$." for a in boxed]

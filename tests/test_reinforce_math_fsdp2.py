@@ -74,10 +74,87 @@ def test_reinforce_loss_and_advantages_against_naive():
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     want = -sum(adv[b].item() * lp[b, t].item() for b in range(3) for t in range(5) if mask[b, t]) / mask.sum().item()
     assert abs(R.reinforce_loss(lp, adv, mask).item() - want) < 1e-6
+    # the step's divisor (update_policy's: every rank's tokens, fed or not) in place of this batch's token count
+    assert abs(R.reinforce_loss(lp, adv, mask, divisor=20.0).item() - want * mask.sum().item() / 20) < 1e-6
     r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     for scale in (True, False):
         want = torch.tensor(naive_advantages(r.tolist(), 4, scale))
         assert torch.allclose(R.group_advantages(r, 4, scale), want, atol=1e-6)
+
+
+def synthetic_step() -> tuple[list, torch.Tensor]:
+    """A step's 16 samples without a server (4 groups of 4): random prompts of 3-8 tokens, completions of 2-12 (some
+    cut by the length limit), and rewards equal within the first two groups (advantages 0), varied in the others."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for p in range(4):
+        prompt = torch.randint(1, 300, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        for j in range(4):
+            n = int(torch.randint(2, 13, (1,), generator=g))
+            completion = {
+                "token_ids": torch.randint(1, 300, (n,), generator=g).tolist(),
+                "logprobs": (-torch.rand(n, generator=g) * 4).tolist(),
+                "finish_reason": "length" if n == 12 else "stop",
+                "versions": [0],
+            }
+            samples.append(R.Sample("What is 3 + 4?", "7", prompt, completion, 100 * p + j))
+    rewards = torch.tensor([1.0] * 4 + [0.0] * 4 + [1.0, 0.0, 0.0, 1.0] + [0.0, 1.0, 1.0, 0.0])  # [B]
+    return samples, rewards
+
+
+def _update_on_rank(rank, world_size, port, model_dir, out, feed_all):
+    """One rank of test_samples_not_fed_change_no_step_on_any_rank (spawned): the script's update of its share of
+    synthetic_step's samples (rank r: groups 2r and 2r + 1 of 2 ranks; all 4 alone), every sample fed if `feed_all`.
+    Rank 0 writes the step's statistics, the samples it fed and the weights after an SGD step of lr 1 to `out`."""
+    import torch.distributed as dist
+    import tyro
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    samples, rewards = synthetic_step()
+    share = len(samples) // world_size
+    samples, rewards = samples[rank * share : (rank + 1) * share], rewards[rank * share : (rank + 1) * share]
+    flags = ["--group-size", "4", "--max-completion-tokens", "12", "--micro-token-budget", "48"]
+    args = tyro.cli(R.Args, args=[*flags, "--mask-truncated-completions"])
+    advantages = R.group_advantages(rewards, args.group_size, args.scale_rewards)  # [B / world_size]
+    batch = R.make_batch(samples, rewards, advantages, args)
+    if feed_all:
+        batch = batch._replace(fed=list(range(share)))
+    model = R.setup_model(model_dir, "float32", True, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # linear in the gradient (Adam's first step is not)
+    stats, bad_pass = R.update_policy(model, optimizer, batch, samples, advantages, args, 0, True, lambda _: None)
+    weights = R.full_state_dict(model)  # every rank gathers
+    if rank == 0:
+        torch.save(
+            {"stats": stats, "bad_pass": bad_pass, "fed": batch.fed, "masked": batch.masked, "weights": weights}, out
+        )
+    dist.destroy_process_group()
+
+
+def test_samples_not_fed_change_no_step_on_any_rank(tiny_model, tmp_path):
+    """make_batch feeds only the samples that can change the gradient: a zero advantage (a group of equal rewards), or
+    a completion masked by --mask-truncated-completions, adds 0 to every token's loss. Over 2 ranks (gloo), rank 0's
+    two groups have equal rewards, so it feeds nothing and runs rank 1's micro-batches as empty turns; the divisor is
+    the tokens of every sample of both ranks. The step equals one process's that feeds all 16 samples: the same
+    gradient norm and the same weights (SGD), which the step moved."""
+    from transformers import AutoModelForCausalLM
+
+    got = {}
+    for name, world_size, feed_all in (("2 ranks, skipped", 2, False), ("1 process, all fed", 1, True)):
+        out = str(tmp_path / f"{world_size}.pt")
+        torch.multiprocessing.spawn(
+            _update_on_rank, args=(world_size, free_port(), tiny_model, out, feed_all), nprocs=world_size
+        )
+        got[name] = torch.load(out, weights_only=False)
+        assert got[name]["bad_pass"] == 0
+    skipped, fed = got["2 ranks, skipped"], got["1 process, all fed"]
+    assert skipped["fed"] == [] and fed["fed"] == list(range(16))  # rank 0 fed nothing
+    assert any(fed["masked"]) and skipped["stats"]["tokens_fed"] == 0
+    g_skip, g_all = skipped["stats"]["grad_norm"], fed["stats"]["grad_norm"]
+    assert g_all > 0 and abs(g_skip - g_all) < 1e-5 * g_all, (g_skip, g_all)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    moved = max_abs_diff(fed["weights"], base)
+    assert moved > 1e-3 and max_abs_diff(skipped["weights"], fed["weights"]) < 1e-5 * moved
 
 
 def test_rollout_seeds_are_distinct_by_construction():
@@ -184,6 +261,33 @@ def test_setup_loads_on_rank0_and_shards_the_checkpoint(tiny_model, tmp_path):
     assert all((g["logprobs"] - want).abs().max().item() < 1e-6 for g in got)
 
 
+def test_setup_turns_dropout_off_and_refuses_a_model_that_changes_its_logits(tiny_model, tmp_path):
+    """A model with attention dropout 0.3, in training mode after setup_model (activation checkpointing needs it),
+    gives the same logprobs twice: dropout is off. One whose config soft-caps its logits (Gemma 2's
+    final_logit_softcapping) is refused before its weights load, naming the setting: token_logprobs computes
+    lm_head(hidden) itself and would not get its logprobs."""
+    import torch.distributed as dist
+
+    models = {}
+    for name, setting in (("dropout", {"attention_dropout": 0.3}), ("capped", {"final_logit_softcapping": 30.0})):
+        models[name] = tmp_path / name
+        shutil.copytree(tiny_model, models[name])
+        config = json.loads((models[name] / "config.json").read_text())
+        (models[name] / "config.json").write_text(json.dumps({**config, **setting}))
+    ids = torch.tensor([[5, 17, 33, 2, 91, 7, 44, 8, 120]])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = R.setup_model(str(models["dropout"]), "float32", True, torch.device("cpu"))
+        assert model.training
+        torch.manual_seed(0)
+        first, second = (model.token_logprobs(ids, torch.ones_like(ids), torch.arange(8))[0] for _ in range(2))
+        assert torch.equal(first, second)
+        with pytest.raises(SystemExit, match="changes its logits after the lm_head .final_logit_softcapping=30.0"):
+            R.setup_model(str(models["capped"]), "float32", True, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
 def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> list:
@@ -224,11 +328,11 @@ def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> lis
     ]
 
 
-def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None):
+def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eval_data=None, env=None):
     """The script under torchrun (`nproc` ranks per node; 0: plain python) in `workdir`. nodes > 1: one launcher per
     "node" on this machine, all in `workdir` (a shared filesystem), meeting at a c10d rendezvous as on a cluster.
-    `data` and `eval_data`: as script_args. Returns the launchers' stdout and stderr together, and the metrics (one
-    dict per step)."""
+    `data` and `eval_data`: as script_args; `env`: the launchers' environment (None: this one's). Returns the
+    launchers' stdout and stderr together, and the metrics (one dict per step)."""
     launch = [[TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [PY]]
     if nodes > 1:
         rdzv = f"127.0.0.1:{free_port()}"
@@ -249,7 +353,7 @@ def run(url, model, workdir, *extra, nproc=2, lr="1e-4", nodes=1, data=None, eva
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in launch]
         errs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in launch]
         procs = [
-            subprocess.Popen(prefix + cmd, cwd=workdir, stdout=out, stderr=err, text=True)
+            subprocess.Popen(prefix + cmd, cwd=workdir, stdout=out, stderr=err, text=True, env=env)
             for prefix, out, err in zip(launch, outs, errs, strict=True)
         ]
         codes = [p.wait(timeout=900) for p in procs]
@@ -312,7 +416,7 @@ def fsdp_run(toy, tmp_path_factory) -> FsdpRun:
 def step_1(path):
     """Step 1 of the run in `path`: per rank, its rollouts (problem, completion, seed, reward); and the weights."""
     rows = [
-        [(x["problem"], x["completion"], x["seed"], x["reward"]) for x in rollout_log(path, rank) if x["step"] == 1]
+        [(x["prompt"], x["completion"], x["seed"], x["reward"]) for x in rollout_log(path, rank) if x["step"] == 1]
         for rank in (0, 1)
     ]
     return rows, load_weights(path / CKPT / "step_1")
@@ -332,6 +436,10 @@ def test_fsdp2_end_to_end(fsdp_run):
     for x in m:  # the diagnostics, summed over both ranks (the toy model's vocabulary: entropy <= log(128) = 4.852)
         assert 0 < float(x["entropy"]) <= 4.86 and 0 <= float(x["frac_reward_zero_std"]) <= 1, x
         assert 0 <= float(x["completion_truncated_rate"]) <= 1 and float(x["seq_len_truncated_rate"]) == 0, x
+    for step, x in enumerate(m, start=1):  # the samples not fed, over both ranks: those of advantage 0 (none masked)
+        rows = [r for rank in fsdp_run.rollouts for r in rank if r["step"] == step]
+        skipped = sum(r["advantage"] == 0 for r in rows) / len(rows)
+        assert float(x["frac_samples_skipped"]) == pytest.approx(skipped, abs=1e-3), (x, skipped)
     assert out.count("done: 2 steps") == 1  # --rank0-only-output: rank 1 printed nothing on stdout
     ck = path / CKPT
     assert fsdp_run.checkpoints == ["step_1", "step_2"]
@@ -390,6 +498,19 @@ def test_resume_says_at_start_what_it_will_not_do(fsdp_run):
     assert r.returncode != 0 and "written by 2 ranks" in r.stderr, r.stderr[-2000:]
 
 
+def test_resume_continues_the_same_wandb_run(toy, tmp_path):
+    """--logger wandb, offline (WANDB_MODE=offline: the run is written under WANDB_DIR, nothing is sent): a run of 1
+    step (one process), then --resume to step 2. Both write to the W&B run of the same id, which rank 0's trainer
+    state saved with the checkpoint."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    extra = ("--logger", "print,wandb", "--rollouts-per-update", "2")
+    run(toy.url, toy.model, tmp_path, *extra, "--train-steps", "1", nproc=0, env=env)
+    saved = torch.load(tmp_path / CKPT / "step_1" / "trainer" / "rank0.pt", weights_only=False)["wandb_id"]
+    run(toy.url, toy.model, tmp_path, *extra, "--train-steps", "2", "--resume", nproc=0, env=env)
+    runs = sorted(p.name for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
+    assert saved and len(runs) == 2 and all(name.endswith(f"-{saved}") for name in runs), (runs, saved)
+
+
 def test_two_nodes_reducing_every_micro_batch_equal_one_node(toy, fsdp_run, tmp_path):
     """Two torchrun launchers (--nnodes 2, one process each, a c10d rendezvous, one shared directory) with
     --reduce-every-micro-batch (a reduce-scatter after each micro-batch) make step 1 of fsdp_run (2 processes on one
@@ -441,10 +562,11 @@ def test_logprobs_follow_the_train_temperature(toy, tmp_path):
 MATH500 = Path(ROOT).parent / "shared" / "data" / "math500_test.jsonl"  # the real MATH-500, beside the repository
 
 
-def test_never_trains_on_an_evaluation_problem(toy, tmp_path):
+def test_never_trains_on_an_evaluation_problem_and_reshuffles_every_epoch(toy, tmp_path):
     """The default --eval-dataset case on real data: a training set of 12 MATH-schema problems, 4 of them MATH-500's
-    (one re-spaced), evaluated on the real MATH-500. The run says it dropped 4, and its 2 steps of 4 prompts (one
-    process) trained on the 8 others, each once: no evaluation problem reached a rollout."""
+    (one re-spaced), evaluated on the real MATH-500. The run says it dropped 4, and its first 2 steps of 4 prompts (one
+    process) trained on the 8 others, each once: no evaluation problem reached a rollout. Its third step starts the
+    second epoch in an order of its own (problem_index), not the first epoch's again."""
     if not MATH500.is_file():
         pytest.skip(f"{MATH500} is absent: the real MATH-500 lives in ../shared/data beside the repository")
     others = read_jsonl(os.path.join(FIXTURES, "math", "train.jsonl"))
@@ -461,25 +583,28 @@ def test_never_trains_on_an_evaluation_problem(toy, tmp_path):
     evaluation.mkdir()
     (evaluation / "test.jsonl").symlink_to(MATH500)
     workdir = tmp_path / "run"
-    extra = ["--train-steps", "2", "--rollouts-per-update", "4"]
+    extra = ["--train-steps", "3", "--rollouts-per-update", "4"]
     out, m = run(toy.url, toy.model, workdir, *extra, nproc=0, data=str(data), eval_data=str(evaluation))
-    assert f"training problems: 12 in {data}, 4 of them evaluation problems: dropped" in out and len(m) == 2
-    trained = [x["problem"] for x in rollout_log(workdir, 0)]
-    assert len(trained) == 2 * 4 * 8 and sorted(set(trained)) == sorted(r["problem"] for r in others)
+    assert f"training problems: 12 in {data}, 4 of them evaluation problems: dropped" in out and len(m) == 3
+    trained = [x["prompt"] for x in rollout_log(workdir, 0)][::8]  # each prompt's group of 8, in the order drawn
+    assert len(trained) == 3 * 4 and sorted(trained[:8]) == sorted(r["problem"] for r in others)
+    assert trained == [others[R.problem_index(1, position, 8)]["problem"] for position in range(12)]
+    assert trained[8:] != trained[:4]  # the second epoch is drawn anew
 
 
 def test_weights_changed_behind_the_trainer_stop_the_run(toy, tmp_path):
     """Another process loads other weights into the server under the version the trainer pushed last, between its
     push of step 1 and its sampling of step 2 (conftest's run_changed_behind; one process, fp32): step 2 is fresh and
     its logprobs stray from the trainer's, so the run stops there, before step 2's update, naming the step, the
-    version, the transport and the figure."""
+    version, the transport and the figure. (8 prompts a step: step 2 has a group with a gradient, and so tokens fed to
+    check; a step that feeds none has no figure, and learns nothing.)"""
     root = CHECKPOINT_ROOTS[toy.url]
     other = other_weights(toy.model, os.path.join(root, "other_fsdp.safetensors"))
     load_behind(toy.url, other, 1000)  # so that version 1 is the trainer's push
     fifo = str(tmp_path / "rollouts.jsonl")
     cmd = [
         PY,
-        *script_args(toy.url, toy.model, "--train-steps", "3", "--rollouts-per-update", "2", "--rollout-log", fifo),
+        *script_args(toy.url, toy.model, "--train-steps", "3", "--rollouts-per-update", "8", "--rollout-log", fifo),
     ]
     code, out = run_changed_behind(
         cmd, tmp_path, fifo, pushed=lambda: server_version(toy.url) == 1, change=lambda: load_behind(toy.url, other, 1)
@@ -565,7 +690,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(preempted):
     assert f"resumed from checkpoints_math_fsdp2/step_{last} at step {last}" in preempted.resumed
     for rank in (0, 1):
         rows = [
-            [(x["step"], x["problem"], x["completion"], x["seed"]) for x in rollout_log(path, rank)]
+            [(x["step"], x["prompt"], x["completion"], x["seed"]) for x in rollout_log(path, rank)]
             for path in (preempted.stopped, preempted.straight)
         ]
         assert rows[0] == rows[1] and len(rows[0]) == 5 * 2 * 8
@@ -666,8 +791,8 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(toy_model, tmp
 
 
 def test_the_math_fixtures_and_the_real_math500_pass_the_checks():
-    """Every row of the MATH-schema fixtures, and of the real MATH-500 where ../shared/data has it, passes load_split's
-    checks (row_problem, gold_problem: a \\boxed{} answer in every solution)."""
+    """Every row of the MATH-schema fixtures, and of the real MATH-500 where ../shared/data has it, passes to_problem's
+    checks (a \\boxed{} answer in every solution), which makes it (the problem, the solution's last box)."""
     files = [
         os.path.join(FIXTURES, d, f)
         for d in os.listdir(FIXTURES)
@@ -676,13 +801,13 @@ def test_the_math_fixtures_and_the_real_math500_pass_the_checks():
     ]
     files += [str(MATH500)] if MATH500.is_file() else []
     for file in [f for f in files if os.path.isfile(f)]:
-        assert all(
-            R.row_problem(r, "problem", "solution") is None and R.gold_problem(r["solution"]) is None
-            for r in read_jsonl(file)
-        ), file
-    assert R.gold_problem("so $x = \\boxed 2$.") is None  # MATH's train set has answers boxed without braces
+        assert all(R.to_problem(r) == (r["problem"], R.last_boxed(r["solution"])) for r in read_jsonl(file)), file
+    # MATH's train set has answers boxed without braces
+    assert R.to_problem({"problem": "x?", "solution": "so $x = \\boxed 2$."}) == ("x?", "2")
     for solution in ("The answer is 7.", "$\\boxed{}$", "$\\boxed{7$"):
-        assert R.gold_problem(solution) == "'solution' has no \\boxed{} answer", solution
+        with pytest.raises(ValueError) as e:
+            R.to_problem({"problem": "x?", "solution": solution})
+        assert str(e.value) == "'solution' has no \\boxed{} answer", solution
 
 
 def test_a_bad_row_is_refused_once_under_torchrun(tmp_path):
@@ -702,6 +827,32 @@ def test_a_bad_row_is_refused_once_under_torchrun(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 1 and out.count("data/test.jsonl:2: 'solution' has no \\boxed{} answer") == 1, out[-3000:]
     assert "failed (exitcode: 2) local_rank: 0" in out and f'File "{os.path.join(ROOT, SCRIPT)}"' not in out
+
+
+def test_a_group_of_one_and_no_server_are_refused_once_under_torchrun(tmp_path):
+    """Under torchrun (2 ranks), before anything heavy, on every rank and said once (by rank 0), no traceback of the
+    script, and no rank left waiting: --group-size 1 (a group of one is its own baseline: its std is NaN) exits 2,
+    naming the flag; with good flags and no server at --vllm-port (the newcomer who forgot to start it), the run
+    exits 1 naming the URL and how to start one."""
+    port = free_port()
+    data = os.path.join(FIXTURES, "math_toy")
+    cmd = [TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, SCRIPT), "--dataset", data, "--eval-dataset", data]
+    cmd += ["--keep-eval-overlap", "--vllm-port", str(port), *GRADE_WORKERS]
+    for extra, code, said in (
+        (
+            ["--group-size", "1"],
+            2,
+            "--group-size must be 2 or more (each completion is scored against its group's), got 1",
+        ),
+        ([], 1, f"no server answers at http://127.0.0.1:{port}: start one (python vllm_sync_server.py --model MODEL"),
+    ):
+        t0 = time.time()
+        r = subprocess.run([*cmd, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        out = r.stdout + r.stderr
+        print(f"{extra}: torchrun exited {r.returncode} after {time.time() - t0:.1f} s")
+        assert r.returncode == 1 and out.count(said) == 1, out[-3000:]  # (torchrun's own status: 1)
+        assert f"failed (exitcode: {code}) local_rank: 0" in out and f'File "{os.path.join(ROOT, SCRIPT)}"' not in out
+        assert time.time() - t0 < 60
 
 
 def test_a_completion_budget_the_server_cannot_hold_is_refused_at_start(toy, tmp_path):

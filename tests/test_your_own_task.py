@@ -93,6 +93,7 @@ def test_the_copy_grades_countdown(script, tmp_path):
     """Known completions against a hand-checked verdict: right equations (LaTeX operators, an `= 24` tail), a wrong
     value, a number used twice or left out, no box, and what is not an equation (a power, a call, a division by 0)."""
     m = load(patched(script, tmp_path))
+    think = "<think>8 times 3.</think> " if script == "reinforce_math_fsdp2.py" else ""  # its grade's strict format
     prompt, gold = m.to_problem({"nums": [3, 5, 3], "target": 24})
     assert "3, 5, 3" in prompt and "24" in prompt and json.loads(gold) == {"nums": [3, 5, 3], "target": 24}
     cases = {
@@ -108,6 +109,9 @@ def test_the_copy_grades_countdown(script, tmp_path):
         "\\boxed{__import__('os').getcwd()}": (0.0, False, True),
         "\\boxed{3 / (5 - 5)}": (0.0, False, True),
     }
+    cases = {think + completion: want for completion, want in cases.items()}
+    if think:  # the answer outside the think block's format
+        cases["\\boxed{(3 + 5) * 3}"] = (0.0, False, True)
     for completion, want in cases.items():
         assert tuple(m.grade(completion, gold)) == want, completion
     grades = m.grade_batch(list(cases), [gold] * len(cases), timeout_s=5.0, workers=1)  # the pool, its warm-up too
@@ -147,3 +151,15 @@ def test_the_grpo_copy_trains_on_countdown(toy, tmp_path):
     out = run_ok(cmd, cwd=tmp_path, timeout=600).stdout
     assert_trained_on_countdown(metrics_of(out), read_jsonl(tmp_path / "rollouts.jsonl"), 2 * 16)
     assert "eval/accuracy" in out and (tmp_path / "ckpt" / "step_2" / "trainer_state.pt").is_file()
+
+
+def test_the_reinforce_copy_trains_on_countdown(toy, tmp_path):
+    """The FSDP2 copy under torchrun, 2 ranks (gloo), 2 steps on Countdown, without the strict format."""
+    copy = patched("reinforce_math_fsdp2.py", tmp_path / "copy")
+    data = countdown_data(tmp_path / "data")
+    cmd = [TORCHRUN, "--nproc_per_node=2", copy, "--model", toy.model, "--dataset", data, "--eval-dataset", data]
+    cmd += ["--vllm-port", toy.url.rsplit(":", 1)[1], *COMMON, "--no-strict-format", "--param-dtype", "float32"]
+    cmd += ["--train-steps", "2", "--rollouts-per-update", "2", "--rank0-only-output", "--save-every", "2"]
+    out = run_ok(cmd, cwd=tmp_path, timeout=900).stdout
+    rollouts = [r for rank in (0, 1) for r in read_jsonl(tmp_path / f"fsdp2_math_rollouts.rank{rank}.jsonl")]
+    assert_trained_on_countdown(metrics_of(out), rollouts, 2 * 2 * 2 * 4)
