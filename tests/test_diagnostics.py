@@ -1,5 +1,5 @@
 """The training diagnostics of the three trainers (entropy, truncation, zero-signal groups) and the two options that
-act on them (--mask-truncated-completions, --skip-zero-std-groups): each against an independent computation, then
+act on them (--mask-truncated-completions, the samples not fed): each against an independent computation, then
 grpo_gsm8k.py end to end against a real server."""
 
 import math
@@ -143,30 +143,53 @@ def test_a_masked_truncated_completion_has_no_gradient(module, loss_type, model)
     assert (unmasked * scale - without).abs().max() > 1e-2 * without.abs().max()  # it did contribute before
 
 
+def step_divisor(module, loss_type, seqs, n_prompt) -> float:
+    """The whole step's divisor, as each trainer counts it once per step: every row, fed or not."""
+    n_comp = [len(s) - p for s, p in zip(seqs, n_prompt, strict=True)]
+    if module is reinforce_math_fsdp2:
+        return float(sum(n_comp))  # the step's tokens (one process: world_size 1)
+    if module is pipeline_learner:
+        return float(len(seqs))  # the step's records
+    return module.loss_divisor(loss_type, len(seqs), sum(n_comp), 16)
+
+
 @pytest.mark.parametrize("module,loss_type", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_skipping_zero_std_groups_changes_only_the_normaliser(module, loss_type, model):
-    """--skip-zero-std-groups: a group whose rewards are all equal has zero advantages and is not fed at all. The
-    gradient of the samples fed equals the full batch's times the ratio of the normalisers: B / B_fed for the
-    aggregations over sequences (grpo, dr_grpo, the learner's), T / T_fed for those over tokens (dapo, REINFORCE)."""
+def test_samples_with_a_zero_advantage_change_nothing_under_the_steps_divisor(module, loss_type, model):
+    """A group whose rewards are all equal has zero advantages: its rows add 0 to every token's loss. With the
+    divisor counted once for the whole step, the gradient of the rows fed without them equals the gradient of all
+    rows, so the trainers do not feed them. (With a micro-batch's own divisor it would not: the control.)"""
     seqs, n_prompt = batch()
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # groups of 2: the first is all 1
-    zero_std = grpo_gsm8k.zero_std_groups(rewards, 2)
-    assert zero_std.tolist() == [True, False]
-    assert reinforce_math_fsdp2.zero_std_groups(rewards, 2).tolist() == [True, False]
+    assert grpo_gsm8k.zero_std_groups(rewards, 2).tolist() == [True, False]
     advantages = grpo_gsm8k.group_advantages(rewards, 2)
     assert advantages[:2].tolist() == [0.0, 0.0]
+    divisor = step_divisor(module, loss_type, seqs, n_prompt)
     nothing_masked = [0, 0, 0, 0]
-    full = gradient(model, loss_of(module, model, seqs, n_prompt, [0, 1, 2, 3], advantages, nothing_masked, loss_type))
-    fed = gradient(model, loss_of(module, model, seqs, n_prompt, [2, 3], advantages, nothing_masked, loss_type))
-    n_comp = [len(s) - p for s, p in zip(seqs, n_prompt, strict=True)]
-    scale = sum(n_comp) / sum(n_comp[2:]) if token_mean(module, loss_type) else 4 / 2
-    assert_close(full * scale, fed)
+
+    def loss(rows, divisor):
+        ids, attn, mask, at = module.micro_batch(seqs, n_prompt, rows, pad_id=0, device=CPU)
+        flat, _ = module.token_logprobs(model, ids, attn, at)
+        logprobs = module.as_rows(flat, mask)
+        if module is reinforce_math_fsdp2:
+            return module.reinforce_loss(logprobs, advantages[rows], mask, divisor)
+        if module is pipeline_learner:
+            return module.policy_loss(logprobs, logprobs.detach(), advantages[rows], mask, "ppo", divisor=divisor)
+        kwargs = {"loss_type": loss_type, "max_completion_length": 16, "divisor": divisor}
+        return module.policy_loss(logprobs, logprobs.detach(), advantages[rows], mask, **kwargs)
+
+    full = gradient(model, loss([0, 1, 2, 3], divisor))
+    assert_close(gradient(model, loss([2, 3], divisor)), full)
+    assert_close(
+        full,
+        gradient(model, loss_of(module, model, seqs, n_prompt, [0, 1, 2, 3], advantages, nothing_masked, loss_type)),
+    )
+    own = gradient(model, loss([2, 3], None))  # the control: the fed rows' own divisor scales the gradient
+    assert (own - full).abs().max() > 1e-2 * full.abs().max()
 
 
-def test_skipping_zero_std_groups_drops_their_kl_term(model):
-    """What else changes: with --beta, the k3 KL penalty of a skipped group is not in the loss (its advantage was
-    zero, its KL term was not), so the full batch's gradient and the fed one's no longer agree up to the normaliser;
-    without --beta they do (the test above)."""
+def test_with_beta_a_zero_advantage_still_has_a_kl_gradient(model):
+    """Why make_batch feeds every sample when --beta is set: the k3 KL penalty of a zero-advantage row has a
+    gradient, so leaving those rows out changes the step even with the step's divisor."""
     seqs, n_prompt = batch()
     advantages = grpo_gsm8k.group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2)  # the first group: zeros
 
@@ -176,24 +199,25 @@ def test_skipping_zero_std_groups_drops_their_kl_term(model):
         logprobs = grpo_gsm8k.as_rows(flat, mask)
         ref = logprobs.detach() + 0.1 * torch.ones_like(logprobs)  # a reference the policy has moved away from
         return grpo_gsm8k.policy_loss(
-            logprobs, logprobs.detach(), advantages[rows], mask, ref_logprobs=ref, beta=0.5, max_completion_length=16
+            logprobs, logprobs.detach(), advantages[rows], mask, ref_logprobs=ref, beta=0.5, divisor=4.0
         )
 
     full = gradient(model, grpo_loss_with_kl([0, 1, 2, 3]))
     fed = gradient(model, grpo_loss_with_kl([2, 3]))
-    assert (full * 4 / 2 - fed).abs().max() > 1e-3 * fed.abs().max()  # the skipped rows' KL gradient is missing
+    assert (full - fed).abs().max() > 1e-3 * fed.abs().max()  # the skipped rows' KL gradient would be missing
 
 
 def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_model, tmp_path):
     """The real script, two steps with both options on and a 3-token limit: most completions stop at the limit.
     Every step's completion_truncated_rate and frac_reward_zero_std equal what its rollout log shows, the entropy is
-    that of a distribution over the 128-token vocabulary (nan when every group was skipped: nothing went through the
-    model), and no sample was cut by --max-seq-len."""
+    that of a distribution over the 128-token vocabulary (nan when no sample was fed: nothing went through the model),
+    frac_samples_skipped is the share of samples with a zero advantage or masked, and no sample was cut by
+    --max-seq-len."""
     port = tp2_server.rsplit(":", 1)[1]
     cmd = [PY, os.path.join(ROOT, SCRIPT), "--model", toy_model, "--dataset", os.path.join(FIXTURES, "gsm8k_toy")]
     cmd += ["--vllm-port", port, "--max-completion-tokens", "3", "--rollouts-per-update", "4", "--group-size", "4"]
     cmd += ["--train-steps", "2", "--system-prompt", "", "--eval-every", "0", "--checkpoint-dir", "ckpt"]
-    cmd += ["--learning-rate", "3e-3", "--mask-truncated-completions", "--skip-zero-std-groups", *GRADE_WORKERS]
+    cmd += ["--learning-rate", "3e-3", "--mask-truncated-completions", *GRADE_WORKERS]
     metrics = metrics_of(run_ok(cmd, cwd=tmp_path, timeout=600).stdout)
     rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
     assert len(metrics) == 2 and len(rollouts) == 2 * 16
@@ -205,7 +229,9 @@ def test_end_to_end_truncation_and_zero_std_groups_are_counted(tp2_server, toy_m
         assert float(m["completion_truncated_rate"]) == pytest.approx(truncated)
         assert float(m["frac_reward_zero_std"]) == pytest.approx(zero_std)
         assert float(m["seq_len_truncated_rate"]) == 0.0  # 3 tokens fit the default --max-seq-len
-        if zero_std == 1.0:  # every group skipped: no token went through the model, the entropy is unknown
+        not_fed = sum(x["advantage"] == 0 or x["finish_reason"] == "length" for x in mine) / len(mine)
+        assert float(m["frac_samples_skipped"]) == pytest.approx(not_fed)  # no gradient to give: zero or masked
+        if not_fed == 1.0:  # no sample fed: no token went through the model, the entropy is unknown
             assert math.isnan(float(m["entropy"]))
         else:
             assert 0.0 < float(m["entropy"]) <= math.log(128) + 1e-6
