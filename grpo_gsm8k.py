@@ -17,8 +17,8 @@ objective of PPO; a KL penalty to a frozen reference is optional (off by default
 What it leaves out, on purpose: a value network (GRPO has none), sharding the model over GPUs
 (reinforce_math_fsdp2.py), generating while training (pipeline_actor.py + pipeline_learner.py), a packed-sequence
 attention kernel, and the machinery of a small card: one GPU for vLLM and the trainer, with vLLM asleep while the
-trainer updates, and LoRA (grpo_gsm8k_lora_one_gpu.py). The whole algorithm is the ALGO LOGIC section and the loop at
-the bottom.
+trainer updates, and LoRA (grpo_gsm8k_lora_one_gpu.py). The whole algorithm is the ALGO LOGIC section and the loop in
+main().
 
   # two GPUs: vLLM on GPU 0 (started for you), the trainer on GPU 1
   python grpo_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
@@ -510,6 +510,9 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
             loss.backward()
             pass_stats["loss"] += loss.item()
         stats["clipped_tokens"] = pass_stats.get("clipped_tokens", 0.0)  # pass 1's ratios are all 1: none clipped
+        if not micro:  # nothing fed: the zero gradient that feeding the samples gives (AdamW's momentum still steps)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
         if it == 0 and check is not None and finite and stats["tokens_fed"]:
             check(stats["mismatch_sum"] / stats["tokens_fed"])  # before any update: a policy the server does not run
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -1287,7 +1290,7 @@ def bad_pass_warning(step: int, bad_pass: int, passes: int, skipped: int) -> str
         return f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)"
     return (
         f"WARNING: non-finite loss or gradient at step {step}, pass {bad_pass} of {passes}: that pass is not "
-        f"applied; the step keeps the updates of the passes before it ({bad_pass - 1}) and is pushed"
+        f"applied; the step keeps the updates of the passes before it ({bad_pass - 1})"
     )
 
 

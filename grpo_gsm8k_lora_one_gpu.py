@@ -14,7 +14,9 @@ Based on grpo_gsm8k.py; what changes and why:
     (`--lora-sync adapter`, vLLM's own LoRA).
 LoRA on one GPU is the usual way to fit a larger model on a small card, so the two live in one file; on two GPUs it
 runs as grpo_gsm8k.py does, with LoRA if asked. The rest (the algorithm, grading, the loop, logging, checkpoints) is
-grpo_gsm8k.py's: tests/test_copies.py holds every function the two share identical, and lists those that differ.
+grpo_gsm8k.py's: ALGO LOGIC and TASK word for word, the loop in main() with sleep mode's and LoRA's calls, and what
+this file adds below # MACHINERY. tests/test_copies.py holds every function the two share identical, and lists those
+that differ.
 
   # one GPU: vLLM beside the trainer (30% of the GPU, asleep while the trainer updates), weights through its memory
   python grpo_gsm8k_lora_one_gpu.py --model Qwen/Qwen2.5-0.5B-Instruct --start-server
@@ -41,7 +43,7 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests
@@ -56,14 +58,15 @@ class Args:
     """Hugging Face model id or local directory (also a checkpoint written by this script)"""
     seed: int = 1
     """seed of the data order, sampling and torch"""
-    dataset: str = "openai/gsm8k"
-    """Hugging Face dataset (config `main`), or a local directory with train.jsonl and test.jsonl in its schema"""
+    dataset: str = field(default_factory=lambda: DATASET)
+    """Hugging Face dataset (config DATASET_CONFIG), or a local directory with train.jsonl and test.jsonl: rows that
+    the TASK section's to_problem reads"""
     limit: Optional[int] = None
     """use only the first `limit` training problems, counted after the evaluation overlap is dropped (None: all)"""
     keep_eval_overlap: bool = False
     """also train on the training problems whose text is a test problem's (by default they are dropped)"""
-    system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
-    """system prompt of every training and evaluation conversation ("" for none)"""
+    system_prompt: str = field(default_factory=lambda: SYSTEM_PROMPT)
+    """system prompt of every training and evaluation conversation ("" for none; the default is the TASK section's)"""
 
     # Algorithm specific arguments
     train_steps: int = 100
@@ -71,14 +74,17 @@ class Args:
     rollouts_per_update: int = 8
     """prompts per step (each gets --group-size completions)"""
     group_size: int = 8
-    """completions per prompt (G); advantages are relative to the group"""
+    """completions per prompt (G, 2 or more); advantages are relative to the group"""
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
-    """the objective and how token losses are averaged (see policy_loss). gspo clips a ratio per sequence: its paper's
-    range is --clip-eps-low 3e-4 --clip-eps-high 4e-4; cispo: its paper has no lower bound (--clip-eps-low 1)"""
+    """the objective and its divisor (policy_loss, loss_divisor). Alone, each changes one thing of grpo: dapo divides
+    by the step's tokens, not its sequences (the paper adds --clip-eps-high 0.28 --mask-truncated-completions, and
+    dynamic sampling, not here); dr_grpo divides by a constant (the paper adds --no-scale-rewards); gspo clips a ratio
+    per sequence (the paper's range: --clip-eps-low 3e-4 --clip-eps-high 4e-4); cispo clips the ratio as REINFORCE's
+    weight and divides by tokens (the paper: --clip-eps-low 1, no lower bound)"""
     scale_rewards: bool = True
     """divide advantages by the group's std (off in Dr. GRPO)"""
     clip_eps_low: float = 0.2
@@ -106,9 +112,6 @@ class Args:
     mask_truncated_completions: bool = False
     """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
     reward still counts in the statistics"""
-    skip_zero_std_groups: bool = False
-    """do not feed groups whose rewards are all equal through the model (their advantage is 0); the loss is then
-    normalised over the groups fed"""
     lora_rank: int = 0
     """rank of LoRA adapters trained on a frozen base (peft); 0: every weight trains"""
     lora_alpha: float = 16.0
@@ -208,6 +211,9 @@ class Args:
 
 
 # ALGO LOGIC: advantages, the loss, the policy's logprobs, micro-batches
+# The algorithm: group_advantages, policy_loss, loss_divisor, make_batch, update_policy. Memory engineering, which
+# changes no number: token_logprobs's chunked lm_head and entropy_rows (no [b, L, V] tensor), and the packing of
+# sequences into micro-batches of --micro-token-budget tokens (pack_micro_batches, micro_batch, as_rows).
 # Shapes: B sequences in a batch (b in a micro-batch), G completions per prompt, L tokens of the longest prompt +
 # completion in a micro-batch, T completion tokens of its longest completion, N completion tokens of all its rows,
 # V vocabulary, H hidden size.
@@ -244,6 +250,7 @@ def policy_loss(
     mis_low=None,
     mis_high=None,
     max_completion_length=None,
+    divisor=None,
     stats=None,
 ):
     """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B].
@@ -258,9 +265,7 @@ def policy_loss(
       times 0 for a sequence whose exp(sum of (logp_old - logp_vllm)) lies outside [mis_low, mis_high]: masked
       importance sampling at the sequence level, for the same gap (off when both are None)
       plus beta * (exp(ref - logp) - (ref - logp) - 1), the k3 estimator of KL(pi || ref) (Schulman 2020)
-    aggregation: grpo, gspo    mean over sequences of each sequence's token mean (GRPO paper; gspo: its paper's)
-                 dapo, cispo   mean over all tokens of the batch (DAPO; CISPO)
-                 dr_grpo       sum over tokens / (B * max_completion_length) (Dr. GRPO; default T)"""
+    aggregation: sum / `divisor`, the whole step's (loss_divisor; None: this batch's); grpo, gspo: per sequence first"""
     import torch
 
     mask = mask.to(logprobs.dtype)
@@ -283,7 +288,11 @@ def policy_loss(
         d = ref_logprobs - logprobs  # [B, T]
         kl = torch.exp(d) - d - 1  # [B, T], >= 0
         per_token = per_token + beta * kl
-    loss = aggregate(per_token, mask, loss_type, max_completion_length)
+    if divisor is None:  # this batch alone
+        divisor = loss_divisor(loss_type, mask.shape[0], mask.sum().item(), max_completion_length or mask.shape[1])
+    if loss_type in ("grpo", "gspo"):  # each sequence's tokens share one sequence's weight: its token mean
+        per_token = per_token / mask.sum(1, keepdim=True).clamp(min=1)
+    loss = (per_token * mask).sum() / divisor
     if stats is not None:  # sums over tokens (and sequences), so micro-batches add up
         for key, x in [
             ("clipped_tokens", (ratio != clipped).float()),
@@ -307,14 +316,18 @@ def mis_masked(old_logprobs, sampling_logprobs, mask, mis_low, mis_high):
     return too_low | (seq_w > mis_high if mis_high is not None else torch.zeros_like(too_low))
 
 
-def aggregate(per_token, mask, loss_type, max_completion_length=None):
-    """The loss from the token losses per_token [B, T] on the tokens of `mask` [B, T], as `loss_type` averages them."""
-    if loss_type in ("grpo", "gspo"):  # each sequence's token mean, then the mean over sequences
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    if loss_type in ("dapo", "cispo"):  # the mean over all tokens of the batch
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":  # a constant divisor: B * the completion budget
-        return (per_token * mask).sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+def loss_divisor(loss_type: str, sequences: int, tokens: int, max_completion_length: int) -> float:
+    """What a step's summed token losses are divided by, counted once for the whole step (every sample it drew, fed
+    through the model or not), so that each micro-batch adds its exact share with no bookkeeping:
+      grpo, gspo     sequences: the mean over sequences of each one's token mean (GRPO paper; GSPO)
+      dapo, cispo    tokens with a gradient: the mean over all tokens of the step (DAPO; CISPO)
+      dr_grpo        sequences x the completion budget, a constant: no length bias (Dr. GRPO)"""
+    if loss_type in ("grpo", "gspo"):
+        return max(1, sequences)
+    if loss_type in ("dapo", "cispo"):
+        return max(1, tokens)
+    if loss_type == "dr_grpo":
+        return max(1, sequences) * max_completion_length
     raise ValueError(loss_type)
 
 
@@ -406,7 +419,8 @@ def micro_batch(seqs: list[list[int]], n_prompt: list[int], idx: list[int], pad_
 
 
 class Sample(NamedTuple):  # one completion of a step, with what it was sampled from
-    row: dict  # the data set's row (question, gold answer)
+    prompt: str  # the user's message (to_problem's)
+    gold: str  # the gold answer grade compares with (to_problem's)
     prompt_ids: list[int]
     completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
     seed: int  # the random stream vLLM sampled it with
@@ -429,13 +443,16 @@ class Batch(NamedTuple):  # a step's B samples as the update sees them, in the o
     hit_limit: list[bool]  # [B] cut by --max-completion-tokens
     cut: list[bool]  # [B] cut by --max-seq-len
     zero_std: list[bool]  # [B/G] a group whose rewards are all equal (its advantages are 0)
-    fed: list[int]  # the samples fed through the model (--skip-zero-std-groups leaves those groups out)
     masked: list[bool]  # [B] no gradient for this sample's tokens (--mask-truncated-completions)
     trained: list[int]  # [B] tokens with a gradient
+    fed: list[int]  # the samples fed through the model: those that can change the gradient
 
 
-def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
-    """Which of the step's samples the update sees, and which of their tokens get a gradient."""
+def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
+    """Which of the step's samples the update sees, and which of their tokens get a gradient. A sample whose advantage
+    is exactly 0 adds 0 to every token's loss, and with no KL term (--beta 0) nothing else: it is not fed at all (most
+    groups early and late in a run have equal rewards). The loss's divisor still counts it (loss_divisor), so the
+    gradient is the one that feeding it would give."""
     G = args.group_size
     seqs = [(sample.prompt_ids + sample.completion["token_ids"])[: args.max_seq_len] for sample in samples]
     n_prompt = [len(sample.prompt_ids) for sample in samples]
@@ -443,46 +460,35 @@ def make_batch(samples: list[Sample], rewards, args: Args) -> Batch:
     hit_limit = [sample.completion["finish_reason"] == "length" for sample in samples]
     cut = [len(sample.prompt_ids) + len(sample.completion["token_ids"]) > args.max_seq_len for sample in samples]
     zero_std = zero_std_groups(rewards, G).tolist()
-    fed = [i for i in range(len(seqs)) if not (args.skip_zero_std_groups and zero_std[i // G])]
     masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(seqs))]
     trained = [0 if masked[i] else n_comp[i] for i in range(len(seqs))]
-    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked, trained)
-
-
-def tokens_fed(batch: Batch) -> int:
-    """Completion tokens fed through the model (0: nothing to learn from)."""
-    return sum(batch.n_comp[i] for i in batch.fed)
-
-
-def tokens_trained(batch: Batch) -> int:
-    """Completion tokens with a gradient, at least 1 (a divisor)."""
-    return max(1, sum(batch.trained[i] for i in batch.fed))
-
-
-def micro_batch_share(batch: Batch, idx: list, loss_type: str) -> float:
-    """policy_loss is a mean over a micro-batch: this weight rescales it so the micro-batches add up to the loss of the
-    samples fed, whatever the split (grpo, gspo, dr_grpo: a sum over sequences; dapo, cispo: over tokens)."""
-    if loss_type in ("dapo", "cispo"):
-        return sum(batch.trained[i] for i in idx) / tokens_trained(batch)
-    return len(idx) / max(1, len(batch.fed))
+    fed = [i for i in range(len(seqs)) if trained[i] and (advantages[i] != 0 or args.beta)]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, masked, trained, fed)
 
 
 def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check):
     """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
     the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
-    Returns the step's statistics and whether it was bad (a non-finite loss or gradient: no update)."""
+    Returns the step's statistics and the pass that went bad (a non-finite loss or gradient: that pass's update is
+    not applied), 0 if none did."""
     import torch
 
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
     old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-    stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0}
-    bad = False  # a non-finite loss or gradient: the step is skipped
+    stats = {
+        "mismatch_sum": 0.0,
+        "entropy_sum": 0.0,
+        "loss": 0.0,
+        "tokens_fed": sum(batch.n_comp[i] for i in batch.fed),
+    }
     for it in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         pass_stats = stats if it == 0 else {"loss": 0.0}  # logged: pass 1's (pi_old); the clip: the last pass
+        finite = True
         for m, idx in enumerate(micro):
             ids, attn, mask, at = micro_batch(batch.seqs, batch.n_prompt, idx, pad_id, device)
             train_mask = mask * torch.tensor([not batch.masked[i] for i in idx], device=device)[:, None]  # [b, T]
@@ -513,35 +519,321 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 tis_cap=args.tis_cap,
                 mis_low=args.mis_low,
                 mis_high=args.mis_high,
-                max_completion_length=args.max_completion_tokens,
+                divisor=divisor,  # the whole step's: this micro-batch's exact share
                 stats=pass_stats,
             )
-            loss = loss * micro_batch_share(batch, idx, args.loss_type)
-            if not torch.isfinite(loss).item():
-                bad = True
+            finite = torch.isfinite(loss).item()
+            if not finite:
                 break
             loss.backward()
             pass_stats["loss"] += loss.item()
         stats["clipped_tokens"] = pass_stats.get("clipped_tokens", 0.0)  # pass 1's ratios are all 1: none clipped
-        if it == 0 and check is not None and not bad:
-            fed = tokens_fed(batch)  # before any update: a policy the server does not run teaches nothing
-            check(stats["mismatch_sum"] / fed if fed else float("nan"))
+        if not micro:  # nothing fed: the zero gradient that feeding the samples gives (AdamW's momentum still steps)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        if it == 0 and check is not None and finite and stats["tokens_fed"]:
+            check(stats["mismatch_sum"] / stats["tokens_fed"])  # before any update: a policy the server does not run
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         stats.setdefault("grad_norm", grad_norm.item())  # before clipping, first pass
-        if bad or not torch.isfinite(grad_norm).item():
-            return stats, True
+        if not finite or not torch.isfinite(grad_norm).item():
+            return stats, it + 1
         optimizer.step()
-    return stats, False
+    return stats, 0
 
 
+# TASK: GSM8K. All that knows the task is here, and only that: its data set and prompt, how a data row becomes a
+# problem, and how a completion is graded. To train on a task of your own, rewrite this section alone
+# (docs/your_own_task.md swaps in Countdown). The grading pool's workers import this file: keep it cheap to import.
+DATASET = "openai/gsm8k"  # --dataset's default: a Hugging Face dataset id, or a folder of train.jsonl and test.jsonl
+DATASET_CONFIG = "main"  # the hub dataset's configuration (None: its only one)
+SYSTEM_PROMPT = "First, think step by step. Then put your final answer inside \\boxed{...}."  # --system-prompt's
+
+
+class Grade(NamedTuple):
+    reward: float
+    correct: bool
+    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
+
+
+def to_problem(row) -> tuple[str, str]:
+    """One data row {question, answer} -> (the user's message, the gold answer: the number after GSM8K's '####').
+    A row it cannot use raises ValueError saying what is wrong: the run stops before any work, naming its file and
+    line."""
+    if not isinstance(row, dict):
+        raise ValueError(f"not a JSON object but {type(row).__name__}")
+    for name in ("question", "answer"):
+        if name not in row:
+            raise ValueError(f"no '{name}' field")
+        if not isinstance(row[name], str):
+            raise ValueError(f"'{name}' is not a string but {type(row[name]).__name__}")
+    if not row["question"].strip():
+        raise ValueError("'question' is empty")
+    final = re.sub(r"[,\s]", "", row["answer"].split("####")[-1])  # '... #### 1,200' -> '1200'
+    if not re.fullmatch(NUM, final):
+        raise ValueError(f"'answer' ends in no number ('#### 42'): {final[:40]!r}")
+    return row["question"], final
+
+
+def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
+    """Reward of one completion: its last \\boxed{} answer, normalised as a careful human grader would
+    (normalize_answer), against `gold` (a number, or GSM8K's raw answer field '... #### 1,200') by math-verify. It may
+    spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine
+    changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main
+    thread (the limit is a signal) or through grade_batch."""
+    import signal
+
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
+    try:  # never str() a parsed object: printing a deep expression can hang
+        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
+            signal.setitimer(signal.ITIMER_PROF, cpu_s)
+            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
+                return Grade(0.0, False, True)
+            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
+            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
+            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    except (Exception, CpuLimit):  # out of CPU time, or unparsable
+        return Grade(0.0, False, True)
+    finally:
+        signal.signal(signal.SIGPROF, old_handler)
+    return Grade(float(ok), bool(ok), False)
+
+
+# what a grading worker grades as it starts (warm_up_grader): no sample's clock runs while grade's imports load
+GRADE_EXAMPLE = ("The answer is \\boxed{x \\le 1/2}.", "(-\\infty, 1/2]")
+
+
+def main() -> None:
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
+    check_args(args)
+    check_lora_args(args)
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    train, test = load_problems(args)  # (prompt, gold) pairs, every row checked: a bad one stops the run here
+    url = f"http://{args.vllm_host}:{args.vllm_port}"
+    if not args.start_server:
+        check_server(url)  # before anything heavy: no server stops the run here, saying how to start one
+    import random
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # TRY NOT TO MODIFY: seeding, devices, server, logging
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    n_gpu = torch.cuda.device_count()
+    colocated = args.start_server and n_gpu == 1  # one GPU: the server beside this trainer, on the same GPU
+    if colocated and args.sync_transport == "collective":  # NCCL refuses two ranks on one GPU ("Duplicate GPU")
+        print(
+            "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
+        )
+        args.sync_transport = "shared"
+    sleep_level = vllm_sleep_level(args, colocated)
+    device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
+    if sleep_level and device.type != "cuda":
+        raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
+    use_device(device)
+    if args.start_server:
+        start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
+    loggers = set(args.logger.split(","))
+
+    # data (loaded above) as chat prompts (token ids)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    test_prompts = [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in test]
+    test_golds = [gold for _, gold in test]
+
+    # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
+    model, lora = load_policy(args, url, device, load_from)  # LoRA: a frozen base and the adapter trained
+    check_logits(model.config)  # token_logprobs's lm_head shortcut must compute the model's own logits
+    disable_dropout(model)  # the policy's logprobs must be the sampler's: no random masks in training mode
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    ref_model = None
+    if args.beta:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
+    counters = {"step": 0, "version": 0, "skipped": 0, "data_pos": 0, "wandb_id": None}  # a new run's
+    if load_from != args.model:
+        counters = load_trainer_state(load_from, optimizer)  # the checkpoint's
+    step = counters["step"]  # optimizer steps taken
+    version = counters["version"]  # the policy version the server holds (one per push)
+    skipped = counters["skipped"]  # steps skipped for a non-finite loss or gradient
+    data_pos = counters["data_pos"]  # training prompts drawn so far (the data order and the sampling seeds follow it)
+    wandb_id = start_wandb(args, counters["wandb_id"]) if "wandb" in loggers else None  # --resume: the same W&B run
+    if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
+        init_adamw_state(optimizer)
+    adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
+    sync, push = init_transport(args, url, device, model, adapter)
+    if adapter is not None:  # the server runs the base it started with: only the adapter moves
+        push_adapter(url, lora, version, args.lora_adapter_dir)
+    else:
+        with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
+            push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+    # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
+    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
+    longest = max(len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train + test)
+    check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
+    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], trainer_dtype])
+    transport = "adapter" if adapter is not None else args.sync_transport
+    current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
+
+    if args.eval_before_start and step == 0:
+        log_metrics(evaluate(url, test_prompts, test_golds, args, adapter), step, loggers)
+    total_tokens = 0
+    start_time = time.time()
+    progress = start_progress(args.train_steps, step)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    stopping = False  # a stop signal seen at the end of a step (request_stop): that step is saved and the loop ends
+    while step < args.train_steps and not stopping:
+        t0 = time.time()
+        # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
+        problems = [train[problem_index(args.seed, data_pos + i, len(train))] for i in range(args.rollouts_per_update)]
+        seeds = [rollout_seed(args.seed, data_pos + i, args.group_size) for i in range(args.rollouts_per_update)]
+        data_pos += args.rollouts_per_update
+        results = generate(
+            url,
+            [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems],
+            args.group_size,
+            args.train_temperature,
+            args.max_completion_tokens,
+            args.concurrency,
+            seeds,
+            lora=adapter,
+        )
+        t_generated = time.time()
+        samples = [
+            Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+            for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
+            for j, completion in enumerate(res["completions"])
+        ]
+        # fresh: sampled by the version pushed last, which the trainer still holds (not a stale step between pushes of
+        # --sync-every-steps): the server's logprobs must then be the trainer's, up to numerics
+        fresh = current and all(sample.completion["versions"] == [version] for sample in samples)
+        # 2) grade; 3) advantages, relative to each prompt's group
+        grades = grade_batch(
+            [sample.completion["text"] for sample in samples],
+            [sample.gold for sample in samples],
+            args.grade_timeout_s,
+            backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
+        )
+        t_graded = time.time()
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+
+        # 4) which samples the update sees (those that can change the gradient), which of their tokens get one
+        batch = make_batch(samples, rewards, advantages, args)
+
+        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
+        # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
+        pushes = (step + 1) % args.sync_every_steps == 0
+        if sleep_level:
+            asleep_bytes = sleep_vllm(url, device, sleep_level if pushes else 1)
+        check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
+        if fresh:
+            check = functools.partial(
+                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport=transport
+            )
+        stats, bad_pass = update_policy(
+            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
+        )
+        updated = bad_pass != 1  # a later pass that went bad keeps the updates of the passes before it
+        if bad_pass:
+            skipped += not updated
+            optimizer.zero_grad(set_to_none=True)
+            print(bad_pass_warning(step + 1, bad_pass, args.num_iterations, skipped), flush=True)
+        t_updated = time.time()
+        step += 1
+        # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
+        sync_s = 0.0
+        if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
+            optimizer.zero_grad(set_to_none=True)
+            asleep_bytes = wake_vllm(url, device, asleep_bytes, ["weights"])
+        # the server holds the trainer's weights from here if this step pushes them: an updated step, or a skipped one
+        # after vLLM dropped its weights (level 2), whose weights go again as a new version (they may differ from the
+        # last push's: the updates since, with --sync-every-steps above 1)
+        current = (updated or sleep_level == 2) and pushes
+        if current:
+            version += 1
+            sync_s = push_policy(url, sync, push, model, lora, adapter, version, args)
+        if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
+            wake_vllm(url, device, asleep_bytes)
+        if args.verify_sync and adapter is not None and current:  # no checksums of an adapter: logprobs
+            probe_prompt = prompt_ids(tokenizer, args.system_prompt, problems[0][0])
+            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id)
+            check_logprob_mismatch(probe, limit, step, version, "adapter")
+        # 7) log, evaluate, checkpoint
+        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
+        total_tokens += new_tokens
+        counts = {
+            "completion_tokens": new_tokens,
+            "total_completion_tokens": total_tokens,
+            "skipped_steps": skipped,
+            "version": version,
+        }
+        seconds = {
+            "generate_s": t_generated - t0,
+            "grade_s": t_graded - t_generated,
+            "update_s": t_updated - t_graded,
+            "sync_s": sync_s,
+            "step_s": time.time() - t0,
+        }
+        metrics = step_metrics(grades, batch, stats, counts, seconds)
+        write_rollouts(args.rollout_log, step, samples, grades, advantages.tolist())
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(url, test_prompts, test_golds, args, adapter))
+        log_metrics(metrics, step, loggers)
+        show_progress(progress, step, metrics)
+        stopping = bool(STOP_REQUESTS)  # read once: a signal from here on is seen after the next step
+        if step % args.save_every == 0 or step == args.train_steps or stopping:
+            counters = {
+                "step": step,
+                "version": version,
+                "skipped": skipped,
+                "data_pos": data_pos,
+                "wandb_id": wandb_id,
+            }
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+    if progress is not None:
+        progress.stop()
+    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
+    if STOP_REQUESTS and step < args.train_steps:  # (atexit stops a server this run started)
+        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
+        raise SystemExit(128 + STOP_REQUESTS[0])
+
+
+# MACHINERY: what a learner can skip. The step's metrics; the check that the server samples this policy; the grading
+# pool and the answer-reading helpers grade uses; the client side of vllm_sync_server.py and the weight sync; the
+# server's start; preemption; logging, evaluation, checkpoints and resume; the arguments' and the data's refusals.
 def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict) -> dict:
     """The step's metrics (docs/grpo_gsm8k.md, Logged metrics): from its grades, its batch, the update's `stats`,
     the run's `counts` (completion_tokens, total_completion_tokens, skipped_steps, version) and `seconds` (generate_s,
     grade_s, update_s, sync_s, step_s)."""
     import numpy as np
 
-    fed = tokens_fed(batch)
-    trained = tokens_trained(batch)
+    fed = stats["tokens_fed"]  # completion tokens fed through the model
+    trained = max(1, sum(batch.trained[i] for i in batch.fed))  # of those, the tokens with a gradient
     return {
         "loss": stats["loss"],
         "grad_norm": stats.get("grad_norm", 0.0),
@@ -555,6 +847,7 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         "completion_truncated_rate": float(np.mean(batch.hit_limit)),
         "seq_len_truncated_rate": float(np.mean(batch.cut)),
         "frac_reward_zero_std": float(np.mean(batch.zero_std)),
+        "frac_samples_skipped": 1 - len(batch.fed) / len(batch.seqs),  # no gradient to give: not fed (make_batch)
         "clip_frac": stats.get("clipped_tokens", 0.0) / trained,
         "logprob_mismatch": stats["mismatch_sum"] / fed if fed else float("nan"),
         "kl": stats.get("kl_sum", 0.0) / trained,
@@ -596,15 +889,8 @@ def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: in
         )
 
 
-# TRY NOT TO MODIFY: grading. The last \boxed{}, normalised as a careful human grader would, then math-verify.
-# Runs in worker processes with a CPU-time limit per sample (load changes no verdict) and a wall-clock backstop: it
-# never hangs the loop.
-class Grade(NamedTuple):
-    reward: float
-    correct: bool
-    parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
-
-
+# Grading: the pool that runs the TASK's grade in worker processes, with a CPU-time limit per sample (load changes no
+# verdict) and a wall-clock backstop, so it never hangs the loop; and the helpers GSM8K's grade reads answers with.
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
@@ -629,7 +915,11 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+
+
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
+
+
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"),
     (r"\\(?:left|right)\s*\.", ""),
@@ -700,39 +990,6 @@ def normalize_answer(s: str) -> str:
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
 
-def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
-    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). It may spend `cpu_s` seconds
-    of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then
-    scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a
-    signal) or through grade_batch."""
-    import signal
-
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    if (box := last_boxed(completion)) is None or len(box) > 1000:
-        return Grade(0.0, False, True)
-    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
-    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
-    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
-    try:  # never str() a parsed object: printing a deep expression can hang
-        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
-            signal.setitimer(signal.ITIMER_PROF, cpu_s)
-            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
-                return Grade(0.0, False, True)
-            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
-            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
-            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
-        finally:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-    except (Exception, CpuLimit):  # out of CPU time, or unparsable
-        return Grade(0.0, False, True)
-    finally:
-        signal.signal(signal.SIGPROF, old_handler)
-    return Grade(float(ok), bool(ok), False)
-
-
 def warm_up_grader() -> None:
     """A grading worker's start (the pool's initializer): it runs before the worker takes its first sample, so no
     sample's clock runs while sympy imports."""
@@ -744,8 +1001,7 @@ def warm_up_grader() -> None:
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
-    # imports sympy and builds math-verify's parsers (~1 s of CPU)
-    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")
+    grade(*GRADE_EXAMPLE)  # the task's own example (GSM8K: imports sympy, builds math-verify's parsers, ~1 s of CPU)
 
 
 GRADERS: dict = {}  # workers -> pebble.ProcessPool, started on first use and reused; stop_graders ends them
@@ -1183,6 +1439,81 @@ def verify_weights(sync: dict, model) -> int:
     return len(theirs)
 
 
+def check_server(url: str) -> None:
+    """Before any work: a server must answer at `url` (a bounded wait of a few seconds). None does: one line naming
+    the URL and how to start one, exit 1."""
+    for attempt in range(3):
+        try:
+            requests.get(url + "/health", timeout=10, headers=auth_headers())
+            return
+        except requests.RequestException:
+            time.sleep(attempt + 1)
+    raise SystemExit(
+        f"no server answers at {url}: start one (python vllm_sync_server.py --model MODEL --port PORT), or pass "
+        "--start-server to have this script start it"
+    )
+
+
+def check_logits(config) -> None:
+    """Refuse a model whose forward changes its logits after the lm_head (Gemma 2 and 3 soft-cap them, Cohere and
+    Granite scale them): token_logprobs computes lm_head(hidden) itself (a memory saving), so its logprobs would be
+    neither the model's nor vLLM's."""
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise SystemExit(
+                f"{config.model_type} changes its logits after the lm_head ({name}={getattr(config, name)}): "
+                "token_logprobs computes lm_head(hidden) directly and would not get this model's logprobs"
+            )
+
+
+def disable_dropout(model) -> None:
+    """Dropout off in every module, the model still in training mode (activation checkpointing runs only then): a
+    dropout mask would make the trainer's logprobs noisy, the first pass's ratio not 1, and the server look wrong.
+    nn.Dropout layers and the attention's dropout probability (an attribute such as `attention_dropout`) go to 0."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def start_wandb(args: Args, run_id: Optional[str]) -> str:
+    """Start W&B logging (it reads WANDB_* variables; WANDB_MODE=offline writes to ./wandb only) and return the run's
+    id, saved with each checkpoint: --resume continues that W&B run, not a new one."""
+    import wandb
+
+    return wandb.init(config=asdict(args), id=run_id, resume="allow").id
+
+
+def bad_pass_warning(step: int, bad_pass: int, passes: int, skipped: int) -> str:
+    """What a non-finite loss or gradient in pass `bad_pass` of `passes` did to the step."""
+    if bad_pass == 1:
+        return f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)"
+    return (
+        f"WARNING: non-finite loss or gradient at step {step}, pass {bad_pass} of {passes}: that pass is not "
+        f"applied; the step keeps the updates of the passes before it ({bad_pass - 1})"
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The order of the n training problems in epoch `epoch`: a new permutation every epoch, drawn from (seed, epoch)
+    alone (epoch 0: from the seed, as in earlier versions of this script)."""
+    import numpy as np
+
+    return tuple(np.random.default_rng([seed, epoch] if epoch else seed).permutation(n).tolist())
+
+
+def problem_index(seed: int, position: int, n: int) -> int:
+    """The training problem drawn at `position` of the run (prompts counted over steps and resumes): reshuffled every
+    epoch, so a resumed run draws what an uninterrupted one would."""
+    epoch, i = divmod(position, n)
+    return epoch_order(seed, epoch, n)[i]
+
+
 # LoRA (--lora-rank): low-rank adapters (peft) on a frozen base, and the two ways the server gets the policy they make
 def add_lora(model, args: Args, saved: Optional[str] = None):
     """Adapters on --lora-target-modules of `model` (a Hugging Face model, changed in place: its layers now hold the
@@ -1440,7 +1771,14 @@ def start_vllm_server(args: Args, log_path: str, colocated: bool = False, sleep_
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits. Colocated
     (one GPU for both): vLLM takes --vllm-gpu-memory-utilization of it, and sleep mode lets it free its memory while
     this trainer updates."""
+    import torch
+
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
+    # vLLM on CPU keeps a core for its scheduler; this trainer waits while it samples: give it every core
+    if not torch.cuda.is_available() and "tensor-parallel" not in args.server_args:
+        cores = sorted(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     colocation = ["--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)] if colocated else []
     if sleep_level:
         colocation.append("--enable-sleep-mode")
@@ -1675,8 +2013,8 @@ def write_rollouts(path: str, step: int, samples: list, grades: list, advantages
         for sample, grade_, advantage in zip(samples, grades, advantages, strict=True):
             record = {
                 "step": step,
-                "question": sample.row["question"],
-                "gold": sample.row["answer"],
+                "prompt": sample.prompt,
+                "gold": sample.gold,
                 "completion": sample.completion["text"],
                 **grade_._asdict(),
                 "advantage": advantage,
@@ -1742,7 +2080,7 @@ def publish_checkpoint(tmp: str, path: str) -> None:
 
 def load_trainer_state(path: str, optimizer) -> dict:
     """What save_checkpoint saved at `path` besides the model: trainer_state.pt into `optimizer` and the random
-    generators. Returns the run's counters (step, version, skipped, data_pos, order)."""
+    generators. Returns the run's counters (step, version, skipped, data_pos, wandb_id)."""
     import random
 
     import numpy as np
@@ -1754,7 +2092,7 @@ def load_trainer_state(path: str, optimizer) -> dict:
     random.setstate(state["python_rng"])
     np.random.set_state(state["numpy_rng"])
     print(f"resumed from {path} at step {state['step']}", flush=True)
-    return {name: state[name] for name in ("step", "version", "skipped", "data_pos", "order")}
+    return {name: state.get(name) for name in ("step", "version", "skipped", "data_pos", "wandb_id")}
 
 
 def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
@@ -1787,7 +2125,6 @@ def saved_args(path: str) -> dict:
 
 COUNTS = (  # the flags that count something: each must be 1 or more
     "rollouts_per_update",
-    "group_size",
     "num_iterations",
     "micro_token_budget",
     "max_seq_len",
@@ -1825,6 +2162,8 @@ def check_args(args: Args) -> None:
     for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):
         if value is not None and value < 1:
             raise SystemExit(f"{flag} is a number of problems, 1 or more (None: all of them); got {value}")
+    if args.group_size < 2:  # a group of one is its own baseline: its advantage is 0 (its std NaN) and nothing learns
+        refuse(f"--group-size must be 2 or more (each completion is scored against its group's), got {args.group_size}")
 
 
 def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
@@ -1881,18 +2220,18 @@ def problem_key(text: str) -> str:
     return " ".join(text.split())
 
 
-def drop_eval_overlap(train: list[dict], evaluation: list[dict], field: str) -> tuple[list[dict], int]:
-    """The training rows whose problem (`field`) is no evaluation row's, by problem_key, in their order; and how many
-    were dropped."""
-    evaluated = {problem_key(row[field]) for row in evaluation}
-    kept = [row for row in train if problem_key(row[field]) not in evaluated]
+def drop_eval_overlap(train: list[tuple], evaluation: list[tuple]) -> tuple[list[tuple], int]:
+    """The training problems (prompt, gold) whose prompt is no evaluation problem's, by problem_key, in their order;
+    and how many were dropped."""
+    evaluated = {problem_key(prompt) for prompt, _ in evaluation}
+    kept = [problem for problem in train if problem_key(problem[0]) not in evaluated]
     return kept, len(train) - len(kept)
 
 
-def load_split(dataset: str, split: str) -> list[dict]:
-    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row is
-    checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
-    index)."""
+def load_split(dataset: str, split: str) -> list[tuple[str, str]]:
+    """The split's problems, each row through the TASK's to_problem: from the hub (config DATASET_CONFIG), or from
+    `dataset`/{split}.jsonl. Every row is checked here, before any work: one that to_problem refuses stops the run,
+    named by its file and line (a hub row: its split and index)."""
     if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
         rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
     else:
@@ -1900,12 +2239,15 @@ def load_split(dataset: str, split: str) -> list[dict]:
 
         rows = [
             (f"{dataset} {split}[{i}]", row)
-            for i, row in enumerate(datasets.load_dataset(dataset, "main", split=split))
+            for i, row in enumerate(datasets.load_dataset(dataset, DATASET_CONFIG, split=split))
         ]
+    problems = []
     for where, row in rows:
-        if problem := row_problem(row, "question", "answer") or gold_problem(row["answer"]):
-            refuse(f"{where}: {problem}")
-    return [row for _, row in rows]
+        try:
+            problems.append(to_problem(row))
+        except ValueError as e:
+            refuse(f"{where}: {e}")
+    return problems
 
 
 def read_jsonl(file: str) -> list[tuple[str, object]]:
@@ -1920,38 +2262,18 @@ def read_jsonl(file: str) -> list[tuple[str, object]]:
     return rows
 
 
-def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
-    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
-    problem not empty."""
-    if not isinstance(row, dict):
-        return f"not a JSON object but {type(row).__name__}"
-    for name in (problem_field, gold_field):
-        if name not in row:
-            return f"no '{name}' field"
-        if not isinstance(row[name], str):
-            return f"'{name}' is not a string but {type(row[name]).__name__}"
-    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
-
-
-def gold_problem(answer: str) -> Optional[str]:
-    """What keeps grade from reading a GSM8K gold answer, or None: its final answer (after '####', or the whole field)
-    must be a number, as every GSM8K answer is."""
-    final = re.sub(r"[,\s]", "", answer.split("####")[-1])
-    return None if re.fullmatch(NUM, final) else f"'answer' ends in no number ('#### 42'): {final[:40]!r}"
-
-
 def refuse(message: str) -> None:
     """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
-def load_problems(args: Args) -> tuple[list[dict], list[dict]]:
-    """GSM8K's problems (gold: the raw answer field): the training problems less those of the test split (all of it),
-    then the first --limit; the first --eval-limit test problems. No training problem left stops the run."""
+def load_problems(args: Args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The (prompt, gold) problems: the training problems less those of the test split (all of it), then the first
+    --limit; the first --eval-limit test problems. No training problem left stops the run."""
     train = load_split(args.dataset, "train")
     test = load_split(args.dataset, "test")
-    clean, overlap = drop_eval_overlap(train, test, "question")
+    clean, overlap = drop_eval_overlap(train, test)
     fate = "kept (--keep-eval-overlap)" if args.keep_eval_overlap else "dropped"
     print(f"training problems: {len(train)} in {args.dataset}, {overlap} of them test problems: {fate}", flush=True)
     kept = (train if args.keep_eval_overlap else clean)[: args.limit]
@@ -1962,208 +2284,4 @@ def load_problems(args: Args) -> tuple[list[dict], list[dict]]:
 
 
 if __name__ == "__main__":
-    args = parse_args()  # before the heavy imports: --help is instant
-    run_args = asdict(args)  # as given (main adapts a few to the machine): saved with every checkpoint
-    check_args(args)
-    check_lora_args(args)
-    check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
-    if ckpts and ckpts[-1] >= args.train_steps:
-        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-        raise SystemExit(0)
-    train, test = load_problems(args)  # before anything heavy: a set with nothing to train on stops the run here
-    import random
-
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # TRY NOT TO MODIFY: seeding, devices, server, logging
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    n_gpu = torch.cuda.device_count()
-    colocated = args.start_server and n_gpu == 1  # one GPU: the server beside this trainer, on the same GPU
-    if colocated and args.sync_transport == "collective":  # NCCL refuses two ranks on one GPU ("Duplicate GPU")
-        print(
-            "one GPU: the weights travel through a staging buffer in its memory (--sync-transport shared)", flush=True
-        )
-        args.sync_transport = "shared"
-    sleep_level = vllm_sleep_level(args, colocated)
-    device = torch.device(f"cuda:{(args.vllm_gpu + 1) % n_gpu if args.start_server else 0}" if n_gpu else "cpu")
-    if sleep_level and device.type != "cuda":
-        raise SystemExit(f"--vllm-sleep-level {sleep_level}: vLLM's sleep mode needs a GPU (use 0 on CPU)")
-    use_device(device)
-    url = f"http://{args.vllm_host}:{args.vllm_port}"
-    if args.start_server:
-        start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
-    loggers = set(args.logger.split(","))
-    if "wandb" in loggers:
-        import wandb
-
-        wandb.init(config=asdict(args), resume="allow")
-
-    # data (loaded above) as chat prompts (token ids)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    test_prompts = [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in test]
-
-    # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
-    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
-    model, lora = load_policy(args, url, device, load_from)  # LoRA: a frozen base and the adapter trained
-    if args.activation_checkpointing:
-        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
-    ref_model = None
-    if args.beta:
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
-    order = np.random.default_rng(args.seed).permutation(len(train))
-    counters = {"step": 0, "version": 0, "skipped": 0, "data_pos": 0, "order": order}  # a new run's
-    if load_from != args.model:
-        counters = load_trainer_state(load_from, optimizer)  # the checkpoint's
-    step = counters["step"]  # optimizer steps taken
-    version = counters["version"]  # the policy version the server holds (one per push)
-    skipped = counters["skipped"]  # steps skipped for a non-finite loss or gradient
-    data_pos = counters["data_pos"]  # training prompts drawn so far (the data order and the sampling seeds follow it)
-    order = counters["order"]  # the training problems' order
-    if sleep_level:  # vLLM's first /sleep measures what it frees against all of this trainer's memory
-        init_adamw_state(optimizer)
-    adapter = "policy" if lora is not None and args.lora_sync == "adapter" else None  # /generate samples with it
-    sync, push = init_transport(args, url, device, model, adapter)
-    if adapter is not None:  # the server runs the base it started with: only the adapter moves
-        push_adapter(url, lora, version, args.lora_adapter_dir)
-    else:
-        with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
-            push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
-    # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
-    served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
-    longest = max(len(prompt_ids(tokenizer, args.system_prompt, row["question"])) for row in train + test)
-    check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
-    served_dtype = served["dtype"]
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served_dtype, trainer_dtype])
-    transport = "adapter" if adapter is not None else args.sync_transport
-    current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
-
-    if args.eval_before_start and step == 0:
-        log_metrics(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter), step, loggers)
-    total_tokens = 0
-    start_time = time.time()
-    progress = start_progress(args.train_steps, step)
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
-        signal.signal(signum, request_stop)
-    stopping = False  # a stop signal seen at the end of a step (request_stop): that step is saved and the loop ends
-    while step < args.train_steps and not stopping:
-        t0 = time.time()
-        # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
-        rows = [train[order[(data_pos + i) % len(train)]] for i in range(args.rollouts_per_update)]
-        seeds = [rollout_seed(args.seed, data_pos + i, args.group_size) for i in range(args.rollouts_per_update)]
-        data_pos += args.rollouts_per_update
-        results = generate(
-            url,
-            [prompt_ids(tokenizer, args.system_prompt, row["question"]) for row in rows],
-            args.group_size,
-            args.train_temperature,
-            args.max_completion_tokens,
-            args.concurrency,
-            seeds,
-            lora=adapter,
-        )
-        t_generated = time.time()
-        samples = [
-            Sample(row, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
-            for row, res, seed in zip(rows, results, seeds, strict=True)
-            for j, completion in enumerate(res["completions"])
-        ]
-        # fresh: sampled by the version pushed last, which the trainer still holds (not a stale step between pushes of
-        # --sync-every-steps): the server's logprobs must then be the trainer's, up to numerics
-        fresh = current and all(sample.completion["versions"] == [version] for sample in samples)
-        # 2) grade; 3) advantages, relative to each prompt's group
-        grades = grade_batch(
-            [sample.completion["text"] for sample in samples],
-            [sample.row["answer"] for sample in samples],
-            args.grade_timeout_s,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
-        t_graded = time.time()
-        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
-
-        # 4) which samples the update sees, and which of their tokens get a gradient
-        batch = make_batch(samples, rewards, args)
-
-        # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed.
-        # Sharing the GPU, vLLM sleeps meanwhile: level 2 drops its weights, only when this step pushes new ones
-        pushes = (step + 1) % args.sync_every_steps == 0
-        if sleep_level:
-            asleep_bytes = sleep_vllm(url, device, sleep_level if pushes else 1)
-        check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
-        if fresh:
-            check = functools.partial(
-                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport=transport
-            )
-        stats, bad = update_policy(
-            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
-        )
-        if bad:  # skip the step: no update, nothing pushed
-            skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            print(f"WARNING: non-finite loss or gradient at step {step}: step skipped ({skipped} so far)", flush=True)
-        t_updated = time.time()
-        step += 1
-        # 6) push weights to vLLM (asleep: its weights' memory comes back first, its KV cache after the push)
-        sync_s = 0.0
-        if sleep_level:  # vLLM maps its memory again: the gradients' and torch's cached blocks must be free first
-            optimizer.zero_grad(set_to_none=True)
-            asleep_bytes = wake_vllm(url, device, asleep_bytes, ["weights"])
-        if not bad and step % args.sync_every_steps == 0:
-            version += 1
-            sync_s = push_policy(url, sync, push, model, lora, adapter, version, args)
-        elif sleep_level == 2 and pushes:  # a skipped step after vLLM dropped its weights: the trainer's again, as a
-            version += 1  # new version (they may differ from the last push's: see `current` below)
-            with lora_merged(lora):
-                push(sync, model, version)
-        # the server holds the trainer's weights only if this step pushed them (a skipped step may have moved them too:
-        # with --num-iterations above 1, by the updates before the bad one)
-        current = (not bad or sleep_level == 2) and pushes
-        if sleep_level:  # (torch's cache emptied again: LoRA's merge and unmerge, the push, left blocks in it)
-            wake_vllm(url, device, asleep_bytes)
-        if args.verify_sync and adapter is not None and current and not bad:  # no checksums of an adapter: logprobs
-            probe_prompt = prompt_ids(tokenizer, args.system_prompt, rows[0]["question"])
-            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id)
-            check_logprob_mismatch(probe, limit, step, version, "adapter")
-        # 7) log, evaluate, checkpoint
-        new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
-        total_tokens += new_tokens
-        counts = {
-            "completion_tokens": new_tokens,
-            "total_completion_tokens": total_tokens,
-            "skipped_steps": skipped,
-            "version": version,
-        }
-        seconds = {
-            "generate_s": t_generated - t0,
-            "grade_s": t_graded - t_generated,
-            "update_s": t_updated - t_graded,
-            "sync_s": sync_s,
-            "step_s": time.time() - t0,
-        }
-        metrics = step_metrics(grades, batch, stats, counts, seconds)
-        write_rollouts(args.rollout_log, step, samples, grades, advantages.tolist())
-        if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate(url, test_prompts, [row["answer"] for row in test], args, adapter))
-        log_metrics(metrics, step, loggers)
-        show_progress(progress, step, metrics)
-        stopping = bool(STOP_REQUESTS)  # read once: a signal from here on is seen after the next step
-        if step % args.save_every == 0 or step == args.train_steps or stopping:
-            counters = {"step": step, "version": version, "skipped": skipped, "data_pos": data_pos, "order": order}
-            path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            save_checkpoint(path, model, lora, tokenizer, optimizer, counters, run_args)
-            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
-    if progress is not None:
-        progress.stop()
-    print(f"done: {step} steps in {time.time() - start_time:.1f}s", flush=True)
-    if STOP_REQUESTS and step < args.train_steps:  # (atexit stops a server this run started)
-        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
-        raise SystemExit(128 + STOP_REQUESTS[0])
+    main()

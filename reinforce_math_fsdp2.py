@@ -393,6 +393,9 @@ def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Arg
     mismatch_all, fed_all, stale_ranks = all_sum(device, stats["mismatch_sum"], stats["tokens_fed"], float(not fresh))
     if stale_ranks == 0:
         check(mismatch_all / fed_all if fed_all else float("nan"))
+    if not n_micro:  # no rank fed a sample: the zero gradient that feeding them gives (AdamW's momentum still steps)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     if not math.isfinite(stats["grad_norm"]):  # every rank sees the same (global) norm, so all skip or none does

@@ -701,6 +701,35 @@ def test_samples_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, l
     assert diff < 1e-5 * moved, (diff, moved)
 
 
+def test_a_step_that_feeds_nothing_is_the_step_that_feeds_zeros(tiny_model):
+    """Two AdamW steps: one with a gradient, then one whose rewards are all equal (nothing to feed). Skipping every
+    sample of the second gives the weights that feeding them all gives: a zero gradient, and Adam's momentum from the
+    first step still moves the weights (a step skipped outright would not: the control)."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    samples, rewards = synthetic_step(vocab_size=384, prompts=2, group=4)
+    args = tyro.cli(G.Args, args=["--group-size", "4", "--max-completion-tokens", "12", "--learning-rate", "1e-3"])
+    flat = torch.zeros_like(rewards)  # the second step: every group's rewards equal
+    weights = {}
+    for name in ("skipped", "all fed", "no step"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+        for step_rewards in (rewards, flat):
+            advantages = G.group_advantages(step_rewards, args.group_size)
+            batch = G.make_batch(samples, step_rewards, advantages, args)
+            if step_rewards is flat:
+                assert batch.fed == []
+                if name == "no step":
+                    break
+                batch = batch if name == "skipped" else batch._replace(fed=list(range(len(samples))))
+            G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
+        weights[name] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    diff = max((weights["skipped"][k] - weights["all fed"][k]).abs().max().item() for k in weights["all fed"])
+    moved = max((weights["all fed"][k] - weights["no step"][k]).abs().max().item() for k in weights["all fed"])
+    assert moved > 0 and diff <= 1e-6 * moved, (diff, moved)
+
+
 def test_the_scripts_micro_batch_split_does_not_change_its_step(toy, tmp_path):
     """The script end to end, step 1 of dapo (the split weighted by tokens) with one big micro-batch and with tiny
     ones: the same gradient norm and the same update, on samples of the real server (the other loss types: in

@@ -39,6 +39,7 @@ from conftest import (
 SCRIPT = "grpo_gsm8k_lora_one_gpu.py"  # LoRA lives in the one-GPU variant
 G = import_script(SCRIPT)
 LORA = ("--lora-rank", "8", "--lora-alpha", "16")
+TOY_TRAIN = os.path.join(FIXTURES, "gsm8k_toy", "train.jsonl")  # the training problems of script_cmd's data set
 HOT = ("--train-temperature", "0.7")  # the trainer's logprobs must follow the sampling temperature to agree
 
 
@@ -245,7 +246,8 @@ def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
     (peft format, no full model beside it) and in merged/ a model that transformers loads and that equals the base
     plus (alpha / r) B A of that checkpoint's adapter; the server held exactly the last one at the end, and its
     samples' logprobs equal those of the PEFT model of the last checkpoint within 1e-4, not those of the step before;
-    the base moved nowhere but through the adapter."""
+    the base moved nowhere but through the adapter. Its counters hold the W&B run's id (None: no W&B), and no data
+    order (each epoch's is drawn from the seed)."""
     from transformers import AutoModelForCausalLM
 
     m = merged_a.metrics
@@ -255,6 +257,8 @@ def test_merged_run_trains_the_adapter_and_saves_a_merged_model(toy, merged_a):
         path = merged_a.workdir / "ckpt" / f"step_{step}"
         assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(path))
         assert "model.safetensors" not in os.listdir(path)
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        assert state["step"] == step and state["wandb_id"] is None and "order" not in state
         merged = load_weights(path / "merged")
         want = merged_reference(toy.model, path)
         assert set(merged) == set(want) and max_abs_diff(merged, want) < 1e-5
@@ -305,12 +309,20 @@ def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
 def test_lora_learns_the_toy_task(toy, tmp_path):
     """GRPO with rank-8 adapters (lr 3e-2, 10x full fine-tuning's) pushes the toy task's mean reward up within 20
     steps (the module's toy model: see toy_model). One seed: full fine-tuning's learning test runs two more, and the
-    real-model tests check that the adapters move the policy."""
+    real-model tests check that the adapters move the policy. Its 160 prompts span 2.5 epochs of the 64 training
+    problems: each epoch draws every problem once, the second in another order than the first; the rollout log names
+    each by to_problem's prompt and gold."""
     extra = ("--train-steps", "20", "--save-every", "100", "--seed", "1", "--learning-rate", "3e-2", *LORA)
     _, m = run_script(toy.url, tmp_path, *extra, model=toy.model)
     rewards = [float(x["reward"]) for x in m]
     print("rewards", rewards)
     assert_learned(rewards)
+    rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
+    assert {"prompt", "gold"} <= rollouts[0].keys() and not {"question", "answer"} & rollouts[0].keys()
+    drawn = [(r["prompt"], r["gold"]) for r in rollouts[::8]]  # one per group of 8 completions
+    problems = [(row["question"], row["answer"].split("#### ")[-1]) for row in read_jsonl(TOY_TRAIN)]
+    assert sorted(drawn[:64]) == sorted(drawn[64:128]) == sorted(problems)
+    assert drawn[:64] != drawn[64:128]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -562,11 +574,14 @@ def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path, proc
 
 def test_adapter_sync_with_start_server(toy_model, tmp_path):
     """--lora-rank 8 --lora-sync adapter --start-server: the script starts its own server with LoRA on (rank 8) and
-    trains two steps, each sampled with the adapter of the step before."""
+    trains two steps, each sampled with the adapter of the step before. --beta feeds every sample (its KL term has a
+    gradient), so the trainer's logprobs are held to the server's on every token, whatever the rewards (a step of
+    equal rewards feeds none without it, and logs no figure)."""
     port = free_port()
     server_args = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 67108864 --max-model-len 1024"
     extra = ("--start-server", f"--server-args={server_args}", "--lora-sync", "adapter", "--train-steps", "2")
-    extra += ("--rollouts-per-update", "4", "--group-size", "4", "--learning-rate", "3e-2", *LORA, *HOT)
+    extra += ("--rollouts-per-update", "4", "--group-size", "4", "--learning-rate", "3e-2", "--beta", "0.01")
+    extra += (*LORA, *HOT)
     out, m = run_script(f"http://127.0.0.1:{port}", tmp_path, *extra, model=toy_model)
     assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
     assert all(float(x["logprob_mismatch"]) < 1e-5 for x in m), m
