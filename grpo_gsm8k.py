@@ -140,13 +140,6 @@ class Args:
     """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
-    sync_transport: Literal["collective", "checkpoint"] = "collective"
-    """how the weights reach the server: `collective` broadcasts them over a group this trainer hosts (NCCL on GPU,
-    gloo on CPU); `checkpoint` saves them under --sync-dir and the server loads the file (no group: for a server that
-    cannot reach this trainer's ports but shares its file system)"""
-    sync_dir: str = "sync_checkpoints"
-    """with --sync-transport checkpoint: where the weights are saved, a directory inside the server's
-    --checkpoint-root, at the same path on both machines (--start-server makes it the server's root)"""
     verify_sync: bool = False
     """after each push, compare the server's weight checksums with the trainer's"""
     max_logprob_mismatch: Optional[float] = None
@@ -653,13 +646,8 @@ def main() -> None:
     skipped = counters["skipped"]  # steps skipped for a non-finite loss or gradient
     data_pos = counters["data_pos"]  # training prompts drawn so far (the data order and the sampling seeds follow it)
     wandb_id = start_wandb(args, counters["wandb_id"]) if "wandb" in loggers else None  # --resume: the same W&B run
-    if args.sync_transport == "checkpoint":
-        sync = init_checkpoint_sync(url, args.sync_dir)
-        push = save_and_load_weights
-    else:
-        sync = init_weight_sync(url, device, args.sync_host)
-        push = push_weights
-    push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
+    sync = init_weight_sync(url, device, args.sync_host)  # over a group this trainer hosts (NCCL on GPU, gloo on CPU)
+    push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
     # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
     served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     longest = max(len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train + test)
@@ -719,7 +707,7 @@ def main() -> None:
         check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
         if fresh:
             check = functools.partial(
-                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport=args.sync_transport
+                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
             )
         stats, bad_pass = update_policy(
             model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
@@ -736,7 +724,7 @@ def main() -> None:
         current = updated and step % args.sync_every_steps == 0  # the server holds the trainer's weights from here
         if current:
             version += 1
-            sync_s = push(sync, model, version)["seconds"]
+            sync_s = push_weights(sync, model, version)["seconds"]
             if args.verify_sync:
                 verify_weights(sync, model)
         # 7) log, evaluate, checkpoint
@@ -1190,35 +1178,6 @@ def push_weights(sync: dict, model, version: int) -> dict:
     return done
 
 
-def init_checkpoint_sync(url: str, sync_dir: str) -> dict:
-    """The checkpoint transport's end: no group, only the directory the server loads from and the dtype it computes
-    in. The path posted is absolute: the server resolves it, not relative to this process's directory."""
-    info = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
-    os.makedirs(sync_dir, exist_ok=True)
-    return {"url": url, "dir": os.path.abspath(sync_dir), "dtype": info["dtype"], "previous": None}
-
-
-def save_and_load_weights(sync: dict, model, version: int) -> dict:
-    """Save every parameter, cast to the server's dtype, under the names push_weights sends, as one safetensors file;
-    POST /load_checkpoint with its path; delete the previous file. The file is written under a temporary name and
-    renamed (atomic on one file system): the server never reads half a file. Returns the server's report, `seconds`
-    counting the save too."""
-    import torch
-    from safetensors.torch import save_file
-
-    t0 = time.perf_counter()
-    dtype = getattr(torch, sync["dtype"])
-    tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
-    path = os.path.join(sync["dir"], f"weights_v{version}.safetensors")
-    save_file(tensors, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    done = post(sync["url"], "/load_checkpoint", {"path": path, "version": version}).json()
-    if sync["previous"] not in (None, path):  # the server holds the new weights: the old file is of no more use
-        os.remove(sync["previous"])
-    sync["previous"] = path
-    return {**done, "seconds": time.perf_counter() - t0}
-
-
 def verify_weights(sync: dict, model) -> int:
     """Compare the server's per-parameter sha256 (of the weights it computes with) with ours."""
     import torch
@@ -1405,9 +1364,6 @@ def start_vllm_server(args: Args, log_path: str):
         str(args.vllm_port),
         *shlex.split(args.server_args),
     ]
-    if args.sync_transport == "checkpoint":  # the server may load only what lies under its root
-        os.makedirs(args.sync_dir, exist_ok=True)
-        cmd += ["--checkpoint-root", os.path.abspath(args.sync_dir)]
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 

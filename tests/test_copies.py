@@ -34,7 +34,10 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "generate": ("each script asks the server for what it trains or evaluates on", []),
     "grade": ("GSM8K's answer, MATH's with a strict format, or either (eval.py's task)", [GSM8K]),
     "grade_batch": ("it calls its own script's grade", [GSM8K]),
-    "warm_up_grader": ("it grades its own task's example", [GSM8K]),
+    "warm_up_grader": (
+        "it grades its own task's example; the FSDP2 trainer's workers leave torchrun's process group",
+        [GSM8K],
+    ),
     "load_split": ("each task's dataset fields", [GSM8K]),
     "group_advantages": ("the actor grades one group at a time", [ON_POLICY]),
     "init_weight_sync": ("the pipeline learner joins several servers", [ON_POLICY]),
@@ -45,9 +48,12 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "evaluate": ("one process, or each rank its share with the counts summed over ranks", []),
     "write_rollouts": ("each task's fields, and the rank that sampled them", []),
     "save_checkpoint": ("one model (and its LoRA adapter), or the ranks' shards of an FSDP2 model", []),
-    "save_and_load_weights": ("LoRA: the merged base's names", []),
     "Batch": ("the pipeline's records carry their group's verdict, and no per-sample token count", [ON_POLICY]),
-    "make_batch": ("samples of whole groups, or the pipeline's records", [ON_POLICY]),
+    "make_batch": (
+        "samples of whole groups, or the pipeline's records; GRPO's KL term (--beta) feeds zero advantages, REINFORCE "
+        "has none",
+        [GRPO],
+    ),
     "log_metrics": ("the pipeline's text metrics (lag_hist) are printed, not sent to W&B", [ON_POLICY]),
     "update_policy": ("GRPO's loss, REINFORCE's over FSDP2's ranks, or the pipeline's off-policy one", [GRPO]),
     "step_metrics": ("one process's, or summed over the ranks", [GRPO]),
@@ -56,10 +62,17 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
         "the completion budget's flag: --max-completion-tokens, eval.py's --max-tokens",
         [(*ON_POLICY, "pipeline_actor.py")],
     ),
-    "gold_problem": (
-        "a GSM8K gold, a MATH solution's box (the FSDP2 trainer's), or eval.py's of either task (MATH: an answer, or a "
-        "boxed solution)",
-        [GSM8K],
+    "to_problem": ("each task's rows and gold: GSM8K's, or MATH's", [GSM8K]),
+    "load_problems": ("the evaluation set: --dataset's test split, or --eval-dataset's", [GRPO]),
+    "load_trainer_state": (
+        "one model's optimizer, each rank's shards of an FSDP2 model, or the pipeline learner's record counts "
+        "(save_checkpoint's pair)",
+        [GRPO],
+    ),
+    "main": (
+        "each script's set-up and loop: one process, one GPU shared with vLLM, FSDP2's ranks, or the pipeline's actor "
+        "and learner",
+        [],
     ),
     "parse_args": (
         "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
@@ -109,17 +122,33 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
         {
             "Args": "the flags of LoRA, of the shared transport and of sleep mode",
             "push_weights": "the shared transport's push; LoRA: the merged base under its own names",
-            "save_and_load_weights": "LoRA: the merged base under its own names",
             "verify_weights": "LoRA: the merged base under its own names",
             "generate": "the adapter to sample with (--lora-sync adapter)",
             "evaluate": "the adapter to sample with (--lora-sync adapter)",
             "save_checkpoint": "LoRA: the adapter, and the merged policy for eval.py",
             "start_vllm_server": "one GPU: vLLM's share of it and sleep mode; LoRA: vLLM's LoRA for adapters",
+            "main": "one GPU: vLLM asleep while the trainer updates; LoRA's model and push; the adapter to sample with",
         },
         # the shared transport, sleep mode and LoRA, with the flags and branches they add (573 lines), and room; 11
         # more for lora_merged's exact restore of the base (peft's unmerge does not give a bf16 base back); 4 for the
-        # new version of sleep mode's re-push after a skipped step
-        616,
+        # new version of sleep mode's re-push after a skipped step; 26 for the checkpoint transport, which the base
+        # leaves to this file (a setting of its own: a server that cannot reach the trainer's ports)
+        642,
+    ),
+    "grpo_gsm8k_python_tool.py": (
+        "grpo_gsm8k.py",
+        {
+            "Args": "the tool's flags (--max-tool-calls, its limits, --tool-workers, --tool-unsafe)",
+            "Batch": "which completion tokens are the model's (actions) and which the tool's",
+            "make_batch": "the actions; only the model's tokens count as trained (the loss's divisor)",
+            "update_policy": "the tool's tokens out of the loss, the logprob mismatch and the entropy",
+            "generate": "each completion in turns (rollout), the tool's replies among its tokens",
+            "evaluate": "with the tool; the share of answers that called it",
+            "write_rollouts": "the transcript and every turn",
+            "main": "the sandbox checked at start; the tool handed to generate and evaluate; its metrics logged",
+        },
+        # the turns, the tool and its sandbox, with the flags, metrics and docstrings they add (494 lines), and room
+        600,
     ),
 }
 

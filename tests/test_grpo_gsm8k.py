@@ -786,9 +786,10 @@ def test_a_tensor_parallel_server(tp2_server, toy_model, tmp_path):
 
 
 def test_checkpoint_transport(toy, tmp_path):
-    """--sync-transport checkpoint: no collective group at all; after every step the weights are saved in the server's
-    dtype under --sync-dir and loaded by the server (--verify-sync: its checksums equal the trainer's), the sampler
-    then agrees with the trainer, and only the last file is left."""
+    """The variant's --sync-transport checkpoint (grpo_gsm8k.py has the collective one alone): no collective group;
+    after every step the weights are saved in the server's dtype under --sync-dir and loaded by the server
+    (--verify-sync: its checksums equal the trainer's), the sampler then agrees with the trainer, and only the last
+    file is left."""
     from safetensors.torch import load_file
 
     sync_dir = Path(CHECKPOINT_ROOTS[toy.url]) / f"sync_{tmp_path.name}"  # under the server's --checkpoint-root
@@ -807,6 +808,7 @@ def test_checkpoint_transport(toy, tmp_path):
         str(sync_dir),
         *HOT,
         model=toy.model,
+        script=VARIANT,
     )
     state = requests.get(toy.url + "/runtime_version", timeout=10).json()
     assert state["communicator"] is None and state["version"] == 2, state  # no group was joined
@@ -820,7 +822,8 @@ def test_checkpoint_transport(toy, tmp_path):
 
 
 def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch, tmp_path, process_hooks):
-    """With --sync-transport checkpoint, --start-server gives the server --checkpoint-root = --sync-dir, absolute."""
+    """The variant's --sync-transport checkpoint: --start-server gives the server --checkpoint-root = --sync-dir,
+    absolute."""
     import tyro
 
     launched = []
@@ -835,12 +838,12 @@ def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch
         def poll(self):
             return 1
 
-    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    monkeypatch.setattr(V.subprocess, "Popen", Exited)
     monkeypatch.chdir(tmp_path)
     for transport in ("checkpoint", "collective"):
-        args = tyro.cli(G.Args, args=["--start-server", "--sync-transport", transport, "--sync-dir", "s"])
+        args = tyro.cli(V.Args, args=["--start-server", "--sync-transport", transport, "--sync-dir", "s"])
         with pytest.raises(RuntimeError, match="exited"):
-            G.start_vllm_server(args, str(tmp_path / "server.log"))
+            V.start_vllm_server(args, str(tmp_path / "server.log"))
     assert launched[0][-2:] == ["--checkpoint-root", str(tmp_path / "s")] and (tmp_path / "s").is_dir()
     assert "--checkpoint-root" not in launched[1]
 
@@ -860,7 +863,7 @@ def test_help_is_fast():
     t0 = time.time()
     r = subprocess.run([PY, os.path.join(ROOT, SCRIPT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
-    assert re.search(r"--sync-transport \{collective,checkpoint\}", r.stdout) and "--lora-rank" not in r.stdout
+    assert "--sync-transport" not in r.stdout and "--lora-rank" not in r.stdout  # the collective transport alone
     t0 = time.time()
     r = subprocess.run([PY, os.path.join(ROOT, VARIANT), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--micro-token-budget" in r.stdout and time.time() - t0 < 3
@@ -877,7 +880,7 @@ def changed_behind(toy, workdir, *extra, transport: str = "collective") -> tuple
     root = CHECKPOINT_ROOTS[toy.url]
     other = other_weights(toy.model, os.path.join(root, f"other_{os.path.basename(workdir)}.safetensors"))
     load_behind(toy.url, other, 1000)
-    script = VARIANT if transport == "shared" else SCRIPT
+    script = SCRIPT if transport == "collective" else VARIANT
     if transport == "shared":
         extra += ("--sync-transport", "shared")
     if transport == "checkpoint":  # its files inside the server's root
