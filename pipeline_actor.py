@@ -31,7 +31,9 @@ What this actor does, and how:
     push has cleared the KV cache and the paused requests are recomputed).
 
 What it leaves out, on purpose: torch and a tokenizer (the server applies the chat template), training, and any
-sampling seed. The advantage is the ALGO LOGIC section; the loop at the bottom submits, grades and pushes.
+sampling seed. The reading order: Args; ALGO LOGIC (the group advantage, the backpressure rule); TASK (GSM8K's data
+and grading, word for word grpo_gsm8k.py's: rewrite it alone for a task of your own, docs/your_own_task.md); main()
+with the loop that submits, grades and pushes; then MACHINERY, what a reader can skip.
 
 Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
   schema                int    1
@@ -41,7 +43,8 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
   completion_token_ids  [int]  the sampled tokens (the eos token included when the model stopped)
   logprobs              [float] log mu(token) of every completion token under the policy that sampled it
                                (vLLM's processed logprobs: after temperature), as long as completion_token_ids
-  reward                float  1.0 if the last \\boxed{} equals the gold answer, else 0.0
+  reward                float  the actor's grade of the completion (GSM8K: 1.0 if the last \\boxed{} equals the
+                               gold answer, else 0.0)
   advantage             float  reward - group mean (/ (group std + 1e-4) with --scale-rewards)
   version_min           int    oldest policy version that sampled a token of this completion
   version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
@@ -50,12 +53,13 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
                                learner refuses a record sampled at another temperature than its --temperature
   finish_reason         str    optional: "length" when the completion hit the token limit (the learner counts it
                                as truncated), "stop" otherwise
-  optional, ignored by the learner: text, correct, parse_error, actor, time
+  optional, ignored by the learner: prompt, gold (the problem), text, correct, parse_error, actor, time
 
   python pipeline_actor.py --redis-url redis://localhost:6379/0 --queue-key gsm8k_rollouts \\
       --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --max-lag 2 --records-per-version 64
 """
 
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -65,6 +69,7 @@ import signal
 import socket
 import sys
 import time
+import zlib
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -81,18 +86,19 @@ class Args:
     """with the actor id, seeds the data order (sampling is not seeded: see the docstring)"""
     actor_id: Optional[str] = None
     """name of this actor in record ids (default: <hostname>-<pid>); give every actor a different one"""
-    dataset: str = "openai/gsm8k"
-    """Hugging Face dataset (config `main`), or a local directory with train.jsonl in its schema"""
+    dataset: str = field(default_factory=lambda: DATASET)
+    """Hugging Face dataset (config DATASET_CONFIG), or a local directory with train.jsonl: rows that the TASK
+    section's to_problem reads"""
     limit: Optional[int] = None
     """use only the first `limit` training problems (None: all)"""
-    system_prompt: str = "First, think step by step. Then put your final answer inside \\boxed{...}."
-    """system prompt of every conversation ("" for none)"""
+    system_prompt: str = field(default_factory=lambda: SYSTEM_PROMPT)
+    """system prompt of every conversation ("" for none; the default is the TASK section's)"""
     max_steps: Optional[int] = None
     """push this many groups, then exit (default: run until stopped, e.g. by SIGTERM)"""
 
     # Algorithm specific arguments
     group_size: int = 8
-    """completions per prompt (G); advantages are relative to the group"""
+    """completions per prompt (G, 2 or more); advantages are relative to the group"""
     scale_rewards: bool = True
     """divide advantages by the group's std (off in Dr. GRPO)"""
     max_lag: int = 2
@@ -134,8 +140,8 @@ class Args:
     """print a status line at most this often (0: after every push)"""
 
 
-# ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC: group advantages (GRPO, Shao et al. 2024), in plain Python: the actor has no torch
+# ALGO LOGIC: the group advantage (GRPO, Shao et al. 2024), in plain Python: the actor has no torch; and the
+# backpressure rule, which bounds how many versions old the records are when the learner pops them
 def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
     """Rewards of one group -> reward minus the group mean, over the group's (unbiased) std + 1e-4 if
     scale_by_std, as grpo_gsm8k.py computes them. A group with equal rewards gets zeros."""
@@ -144,24 +150,240 @@ def group_advantages(rewards: list[float], scale_by_std: bool = True) -> list[fl
     return [(r - mean) / (std + 1e-4) if scale_by_std else r - mean for r in rewards]
 
 
+def backpressure(versions_pushed: int, queue_len: int, submitted_records: int, args: Args) -> Optional[str]:
+    """Why the actor may not submit another group now, or None: a stop was requested (stop_submitting), the queue is
+    over --max-queue, or the group would put the actor more than --max-lag versions' worth of records ahead of the
+    learner, which has pushed `versions_pushed` versions since the actor started (the rule: see the docstring)."""
+    if STOP_REQUESTS:
+        return f"{signal.Signals(STOP_REQUESTS[0]).name}: no new group; those in flight are pushed, then the actor ends"
+    if queue_len > args.max_queue:
+        return f"the queue holds more than --max-queue {args.max_queue} records"
+    allowance = (versions_pushed + args.max_lag + 1) * args.records_per_version
+    if submitted_records + args.group_size > allowance:
+        return f"{args.max_lag + 1} versions of data ahead of the learner: waiting for a push"
+    return None
+
+
 class Sample(NamedTuple):  # one completion, with what it was sampled from
-    row: dict  # the data set's row (question, gold answer)
+    prompt: str  # the user's message (to_problem's)
+    gold: str  # the gold answer grade compares with (to_problem's)
     prompt_ids: list[int]
     completion: dict  # the server's: token_ids, text, logprobs, finish_reason, versions
     group: int  # this actor's number for the prompt's group
     index: int  # the completion's place in its group
 
 
-# ---------------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: grading (copied from grpo_gsm8k.py). The last \boxed{} of the completion, normalised as a
-# careful human grader would, then math-verify. Runs in worker processes with a CPU-time limit per sample (load
-# changes no verdict) and a wall-clock backstop: never hangs.
+# TASK: GSM8K. All that knows the task is here, and only that: its data set and prompt, how a data row becomes a
+# problem, and how a completion is graded. To train on a task of your own, rewrite this section alone
+# (docs/your_own_task.md swaps in Countdown). The grading pool's workers import this file: keep it cheap to import.
+DATASET = "openai/gsm8k"  # --dataset's default: a Hugging Face dataset id, or a folder of train.jsonl and test.jsonl
+DATASET_CONFIG = "main"  # the hub dataset's configuration (None: its only one)
+SYSTEM_PROMPT = "First, think step by step. Then put your final answer inside \\boxed{...}."  # --system-prompt's
+
+
 class Grade(NamedTuple):
     reward: float
     correct: bool
     parse_error: bool  # no usable answer: no box, empty/truncated box, unparsable, timed out
 
 
+def to_problem(row) -> tuple[str, str]:
+    """One data row {question, answer} -> (the user's message, the gold answer: the number after GSM8K's '####').
+    A row it cannot use raises ValueError saying what is wrong: the run stops before any work, naming its file and
+    line."""
+    if not isinstance(row, dict):
+        raise ValueError(f"not a JSON object but {type(row).__name__}")
+    for name in ("question", "answer"):
+        if name not in row:
+            raise ValueError(f"no '{name}' field")
+        if not isinstance(row[name], str):
+            raise ValueError(f"'{name}' is not a string but {type(row[name]).__name__}")
+    if not row["question"].strip():
+        raise ValueError("'question' is empty")
+    final = re.sub(r"[,\s]", "", row["answer"].split("####")[-1])  # '... #### 1,200' -> '1200'
+    if not re.fullmatch(NUM, final):
+        raise ValueError(f"'answer' ends in no number ('#### 42'): {final[:40]!r}")
+    return row["question"], final
+
+
+def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
+    """Reward of one completion: its last \\boxed{} answer, normalised as a careful human grader would
+    (normalize_answer), against `gold` (a number, or GSM8K's raw answer field '... #### 1,200') by math-verify. It may
+    spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine
+    changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main
+    thread (the limit is a signal) or through grade_batch."""
+    import signal
+
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    if (box := last_boxed(completion)) is None or len(box) > 1000:
+        return Grade(0.0, False, True)
+    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
+    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
+    try:  # never str() a parsed object: printing a deep expression can hang
+        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
+            signal.setitimer(signal.ITIMER_PROF, cpu_s)
+            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
+                return Grade(0.0, False, True)
+            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
+            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
+            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
+                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    except (Exception, CpuLimit):  # out of CPU time, or unparsable
+        return Grade(0.0, False, True)
+    finally:
+        signal.signal(signal.SIGPROF, old_handler)
+    return Grade(float(ok), bool(ok), False)
+
+
+# what a grading worker grades as it starts (warm_up_grader): no sample's clock runs while grade's imports load
+GRADE_EXAMPLE = ("The answer is \\boxed{x \\le 1/2}.", "(-\\infty, 1/2]")
+
+
+def main() -> None:
+    import tyro
+
+    args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
+    check_args(args)
+    train = load_split(args.dataset, "train")[: args.limit]  # (prompt, gold) pairs: a bad row stops the run here
+    if not train:
+        raise SystemExit(f"no training problems: {args.dataset} holds none")
+    check_servers(args.vllm_urls)  # no server stops the actor here, saying how to start one
+
+    import redis
+
+    # TRY NOT TO MODIFY: the data order, Redis, the servers
+    actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+    data_seed = zlib.crc32(f"{args.seed}/{actor_id}".encode())  # each actor walks the data in its own order
+    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
+    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
+    longest = longest_prompt(args.vllm_urls[0], [prompt for prompt, _ in train], args.system_prompt, args.concurrency)
+    check_lengths(longest, args.max_completion_tokens, min(info["max_model_len"] for info in served))
+
+    # backpressure state: see the docstring for the rule
+    version0 = server_version(args.vllm_urls)  # the version the servers served when this actor started
+    version = version0  # the servers' current version
+    queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+    submitted_records = queue_len  # records already in the queue count as submitted
+    submitted_groups = 0
+    next_group = 0  # this actor's number for the next group (and its place in the data order)
+    pushed_groups = 0
+    pushed_records = 0
+    inflight = {}  # future -> (group number, prompt, gold, url)
+    load = {url: 0 for url in args.vllm_urls}  # requests in flight per server
+    pool = ThreadPoolExecutor(args.concurrency)
+    start = time.time()
+    last_log = 0.0
+    last_poll = 0.0
+    waiting = (None, 0.0)  # (why the actor last waited, when it said so)
+    print(
+        f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
+        f"queue {args.queue_key} at {where} holds {queue_len} records",
+        flush=True,
+    )
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # from here on: finish the groups in flight, then end
+        signal.signal(signum, stop_submitting)
+    while True:
+        # 1) submit groups while the backpressure rule allows
+        if time.monotonic() - last_poll > 0.2:  # the servers' version and the queue length, 5 times a second
+            version = server_version(args.vllm_urls)
+            queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+            last_poll = time.monotonic()
+        why = None
+        while len(inflight) < args.concurrency and (args.max_steps is None or submitted_groups < args.max_steps):
+            why = backpressure(version - version0, queue_len, submitted_records, args)
+            if why:
+                break
+            prompt, gold = train[problem_index(data_seed, next_group, len(train))]  # reshuffled every epoch
+            url = min(args.vllm_urls, key=lambda u: load[u])  # the least busy server
+            fut = pool.submit(generate_group, url, prompt, args)
+            inflight[fut] = (next_group, prompt, gold, url)
+            load[url] += 1
+            next_group += 1
+            submitted_groups += 1
+            submitted_records += args.group_size
+        if why and (why != waiting[0] or time.time() - waiting[1] > 60):  # say why it waits, now and then
+            print(f"actor {actor_id}: waiting: {why}", flush=True)
+            waiting = (why, time.time())
+        if not inflight:
+            if STOP_REQUESTS or (args.max_steps is not None and pushed_groups >= args.max_steps):
+                break
+            time.sleep(0.1)
+            continue
+
+        # 2) collect finished groups
+        done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
+        finished = []
+        for fut in done:
+            g, prompt, gold, url = inflight.pop(fut)
+            load[url] -= 1
+            try:
+                finished.append((g, prompt, gold, fut.result()))
+            except Exception as e:  # a server error: the prompt is skipped, its place in the budget freed
+                submitted_groups -= 1
+                submitted_records -= args.group_size
+                print(f"WARNING: generation on {url} failed, prompt skipped: {e}", flush=True)
+        if not finished:
+            continue
+
+        # 3) grade every completion, 4) advantages relative to each group
+        samples = [
+            Sample(prompt, gold, res["prompt_token_ids"], completion, g, i)
+            for g, prompt, gold, res in finished
+            for i, completion in enumerate(res["completions"])
+        ]
+        grades = grade_batch(
+            [sample.completion["text"] for sample in samples],
+            [sample.gold for sample in samples],
+            args.grade_timeout_s,
+            backstop_s=args.grade_backstop_s,
+            workers=args.grade_workers,
+        )
+        advantages = []
+        zero_std = []  # per group: all its rewards equal (all its advantages 0: no learning signal)
+        for k in range(0, len(samples), args.group_size):
+            rewards = [gr.reward for gr in grades[k : k + args.group_size]]
+            advantages += group_advantages(rewards, args.scale_rewards)
+            zero_std.append(len(set(rewards)) == 1)
+        truncated = [sample.completion["finish_reason"] == "length" for sample in samples]
+
+        # 5) push one record per completion (format: see the docstring)
+        records = make_records(samples, grades, advantages, version, actor_id, args)
+        # blocks (and retries) while Redis is down
+        with_retries("RPUSH", where, lambda records=records: push_records(r, args.queue_key, records))
+        pushed_groups += len(finished)
+        pushed_records += len(records)
+
+        # 6) log
+        if time.time() - last_log >= args.log_every_s:
+            last_log = time.time()
+            print(
+                f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
+                f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
+                f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g} "
+                f"frac_reward_zero_std={sum(zero_std) / len(zero_std):.4g} "
+                f"completion_truncated_rate={sum(truncated) / len(truncated):.4g}",
+                flush=True,
+            )
+    pool.shutdown()
+    print(
+        f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
+        f"{time.time() - start:.1f}s, {submitted_groups} submitted",
+        flush=True,
+    )
+
+
+# MACHINERY: what a reader can skip. The grading pool and the answer-reading helpers grade uses; the client side
+# of vllm_sync_server.py, and Redis; the actor's requests and records; stopping; the arguments' and the data's
+# refusals.
+# Grading: the pool that runs the TASK's grade in worker processes, with a CPU-time limit per sample (load changes no
+# verdict) and a wall-clock backstop, so it never hangs the loop; and the helpers GSM8K's grade reads answers with.
 class CpuLimit(BaseException):  # not an Exception: nothing in math-verify or sympy catches it on its way out
     pass
 
@@ -186,7 +408,11 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+
+
 BIG = r"[-+]?[1-9]\d{0,2}(?:[, ]\d{3})+(?:\.\d+)?"  # thousands separators: 1,234 / 1 000 (not the tuple 1,2)
+
+
 SUBS = [  # cosmetic LaTeX a human grader ignores, applied in order
     (r"\\[dtc]frac", r"\\frac"),
     (r"\\(?:left|right)\s*\.", ""),
@@ -257,39 +483,6 @@ def normalize_answer(s: str) -> str:
     return re.sub(r"^(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)$", r"\1\\times 10^{\2}", s).strip()  # 1.5e3
 
 
-def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
-    """Reward of one completion; `gold` is GSM8K's raw `answer` field ('... #### 1,200'). It may spend `cpu_s` seconds
-    of this process's CPU time (ITIMER_PROF counts CPU, not wall clock: load on the machine changes no verdict), then
-    scores 0 with parse_error; math-verify's own wall-clock alarms are off. Call it in a main thread (the limit is a
-    signal) or through grade_batch."""
-    import signal
-
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    if (box := last_boxed(completion)) is None or len(box) > 1000:
-        return Grade(0.0, False, True)
-    gold = re.sub(r"[,\s]", "", gold.split("####")[-1]) if "####" in gold else gold
-    cfg = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
-    old_handler = signal.signal(signal.SIGPROF, on_cpu_limit)
-    try:  # never str() a parsed object: printing a deep expression can hang
-        try:  # one shot: SIGPROF comes once, after cpu_s seconds of CPU; a CpuLimit raised in `finally` lands below
-            signal.setitimer(signal.ITIMER_PROF, cpu_s)
-            if not (pred := parse("\\boxed{" + normalize_answer(box) + "}", cfg, parsing_timeout=None)):
-                return Grade(0.0, False, True)
-            ref = parse("\\boxed{" + normalize_answer(gold) + "}", cfg, parsing_timeout=None)
-            try:  # gold first: not symmetric. raise_on_error: an error in the strict mode is not yet a "not equal"
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None, raise_on_error=True)
-            except Exception:  # one reading failed to compare (12:00 as a ratio): the lenient mode tries the others
-                ok = verify(ref, pred, allow_set_relation_comp=True, timeout_seconds=None)
-        finally:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-    except (Exception, CpuLimit):  # out of CPU time, or unparsable
-        return Grade(0.0, False, True)
-    finally:
-        signal.signal(signal.SIGPROF, old_handler)
-    return Grade(float(ok), bool(ok), False)
-
-
 def warm_up_grader() -> None:
     """A grading worker's start (the pool's initializer): it runs before the worker takes its first sample, so no
     sample's clock runs while sympy imports."""
@@ -301,8 +494,7 @@ def warm_up_grader() -> None:
     # which a worker stuck in C code never reaches. The default action ends the process at once, wherever it is.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal may reach every process: the trainer acts on it
-    # imports sympy and builds math-verify's parsers (~1 s of CPU)
-    grade("\\boxed{x \\le 1/2}", "(-\\infty, 1/2]")
+    grade(*GRADE_EXAMPLE)  # the task's own example (GSM8K: imports sympy, builds math-verify's parsers, ~1 s of CPU)
 
 
 GRADERS: dict = {}  # workers -> pebble.ProcessPool, started on first use and reused; stop_graders ends them
@@ -360,7 +552,6 @@ def grade_batch(
     return grades
 
 
-# ---------------------------------------------------------------------------------------------------
 # The client side of vllm_sync_server.py, and Redis
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
@@ -386,6 +577,23 @@ def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5
             raise RuntimeError(f"vLLM server at {url} did not answer {path} within {timeout} s: {e}") from e
 
 
+def check_servers(urls: list[str]) -> None:
+    """Before any work: a server must answer at each of `urls` (a bounded wait of a few seconds). One does not: one
+    line naming its URL and how to start one, exit 1."""
+    for url in urls:
+        for attempt in range(3):
+            try:
+                requests.get(url + "/health", timeout=10, headers=auth_headers())
+                break
+            except requests.RequestException:
+                time.sleep(attempt + 1)
+        else:
+            raise SystemExit(
+                f"no server answers at {url}: start one (python vllm_sync_server.py --model MODEL --port PORT) and "
+                "name it in --vllm-urls"
+            )
+
+
 def server_version(urls: list[str]) -> int:
     """The lowest policy version the servers serve (during a push they may differ for a moment)."""
     versions = []
@@ -402,18 +610,18 @@ def server_version(urls: list[str]) -> int:
     return min(versions)
 
 
-def longest_prompt(url: str, questions: list[str], system_prompt: str, threads: int) -> int:
-    """The tokens of the longest prompt among `questions`, counted as the server at `url` counts a /generate request's
-    messages: the chat template of chat_messages applied, then tokenized without special tokens. The actor has no
-    tokenizer: vLLM's /tokenize route does both, for each distinct question, `threads` at a time."""
+def longest_prompt(url: str, prompts: list[str], system_prompt: str, threads: int) -> int:
+    """The tokens of the longest chat prompt of `prompts` (the users' messages), counted as the server at `url` counts
+    a /generate request's messages: the chat template of chat_messages applied, then tokenized without special tokens.
+    The actor has no tokenizer: vLLM's /tokenize route does both, for each distinct prompt, `threads` at a time."""
     body = {"add_generation_prompt": True, "add_special_tokens": False}
 
-    def count(question: str) -> int:
-        messages = chat_messages(system_prompt, question)
+    def count(prompt: str) -> int:
+        messages = chat_messages(system_prompt, prompt)
         return post(url, "/tokenize", {**body, "messages": messages}, timeout=60).json()["count"]
 
     with ThreadPoolExecutor(threads) as pool:
-        return max(pool.map(count, set(questions)))
+        return max(pool.map(count, set(prompts)))
 
 
 def with_retries(what: str, where: str, fn):
@@ -430,91 +638,6 @@ def with_retries(what: str, where: str, fn):
             delay = min(2 * delay, 30.0)
 
 
-def load_split(dataset: str, split: str) -> list[dict]:
-    """GSM8K rows {question, answer}: from the hub, or from `dataset`/{split}.jsonl in the same schema. Every row is
-    checked here, before any work: a bad one stops the run, named by its file and line (a hub row: its split and
-    index)."""
-    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
-        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
-    else:
-        import datasets
-
-        rows = [
-            (f"{dataset} {split}[{i}]", row)
-            for i, row in enumerate(datasets.load_dataset(dataset, "main", split=split))
-        ]
-    for where, row in rows:
-        if problem := row_problem(row, "question", "answer") or gold_problem(row["answer"]):
-            refuse(f"{where}: {problem}")
-    return [row for _, row in rows]
-
-
-def read_jsonl(file: str) -> list[tuple[str, object]]:
-    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
-    rows = []
-    with open(file) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
-            except json.JSONDecodeError as e:
-                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
-    return rows
-
-
-def row_problem(row, problem_field: str, gold_field: str) -> Optional[str]:
-    """What is wrong with a data row, or None: it must be an object whose problem and gold answer are strings, the
-    problem not empty."""
-    if not isinstance(row, dict):
-        return f"not a JSON object but {type(row).__name__}"
-    for name in (problem_field, gold_field):
-        if name not in row:
-            return f"no '{name}' field"
-        if not isinstance(row[name], str):
-            return f"'{name}' is not a string but {type(row[name]).__name__}"
-    return None if row[problem_field].strip() else f"'{problem_field}' is empty"
-
-
-def gold_problem(answer: str) -> Optional[str]:
-    """What keeps grade from reading a GSM8K gold answer, or None: its final answer (after '####', or the whole field)
-    must be a number, as every GSM8K answer is."""
-    final = re.sub(r"[,\s]", "", answer.split("####")[-1])
-    return None if re.fullmatch(NUM, final) else f"'answer' ends in no number ('#### 42'): {final[:40]!r}"
-
-
-def refuse(message: str) -> None:
-    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
-    print(message, file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
-    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
-    server would refuse that prompt's requests steps later."""
-    if longest_prompt + max_completion_tokens > max_model_len:
-        raise SystemExit(
-            f"--max-completion-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
-            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
-            "--max-model-len"
-        )
-
-
-# Stopping. SIGTERM (kill, a cluster's preemption) or SIGUSR1 (SLURM's --signal, ahead of time): the actor submits no
-# new group, finishes those in flight (generated, graded, pushed) and exits 0. A second signal ends it at once.
-STOP_REQUESTS: list[int] = []  # the stop signals received, in order
-
-
-def stop_submitting(signum, frame) -> None:
-    """Handler of SIGTERM and SIGUSR1: backpressure sees STOP_REQUESTS and lets no group be submitted; the loop ends
-    once the groups in flight are pushed. A second signal ends the actor at once, with 128 + the signal: the groups
-    not yet pushed are lost. (os.write: a print here could cut into a print the signal interrupted.)"""
-    STOP_REQUESTS.append(signum)
-    if len(STOP_REQUESTS) > 1:
-        os._exit(128 + signum)
-    message = f"{signal.Signals(signum).name}: the groups in flight are finished and pushed, then the actor stops\n"
-    os.write(sys.stderr.fileno(), message.encode())
-
-
-# ---------------------------------------------------------------------------------------------------
 # The actor's requests and records
 def chat_messages(system_prompt: str, question: str) -> list[dict]:
     """A problem as chat messages: the system prompt (none if ""), then the question as it is, the user's turn."""
@@ -522,25 +645,11 @@ def chat_messages(system_prompt: str, question: str) -> list[dict]:
     return msgs + [{"role": "user", "content": question}]
 
 
-def backpressure(versions_pushed: int, queue_len: int, submitted_records: int, args: Args) -> Optional[str]:
-    """Why the actor may not submit another group now, or None: a stop was requested (stop_submitting), the queue is
-    over --max-queue, or the group would put the actor more than --max-lag versions' worth of records ahead of the
-    learner, which has pushed `versions_pushed` versions since the actor started (the rule: see the docstring)."""
-    if STOP_REQUESTS:
-        return f"{signal.Signals(STOP_REQUESTS[0]).name}: no new group; those in flight are pushed, then the actor ends"
-    if queue_len > args.max_queue:
-        return f"the queue holds more than --max-queue {args.max_queue} records"
-    allowance = (versions_pushed + args.max_lag + 1) * args.records_per_version
-    if submitted_records + args.group_size > allowance:
-        return f"{args.max_lag + 1} versions of data ahead of the learner: waiting for a push"
-    return None
-
-
-def generate_group(url: str, question: str, args: Args) -> dict:
-    """One problem's group from the server at `url`: --group-size completions of its chat prompt, each with its token
-    ids, the sampler's logprobs and the policy versions that sampled it."""
+def generate_group(url: str, prompt: str, args: Args) -> dict:
+    """One problem's group from the server at `url`: --group-size completions of its chat prompt (`prompt`, the user's
+    message), each with its token ids, the sampler's logprobs and the policy versions that sampled it."""
     body = {
-        "messages": [chat_messages(args.system_prompt, question)],
+        "messages": [chat_messages(args.system_prompt, prompt)],
         "n": args.group_size,
         "temperature": args.temperature,
         "max_tokens": args.max_completion_tokens,
@@ -569,6 +678,8 @@ def make_records(samples: list, grades: list, advantages: list[float], version: 
             "advantage": advantage,
             "version_min": min(versions),
             "version_max": max(versions),
+            "prompt": sample.prompt,
+            "gold": sample.gold,
             "text": completion["text"],
             "correct": grade_.correct,
             "parse_error": grade_.parse_error,
@@ -588,142 +699,103 @@ def push_records(r, queue_key: str, records: list[bytes]) -> None:
     pipe.execute()
 
 
-if __name__ == "__main__":
-    import tyro
+# Stopping. SIGTERM (kill, a cluster's preemption) or SIGUSR1 (SLURM's --signal, ahead of time): the actor submits no
+# new group, finishes those in flight (generated, graded, pushed) and exits 0. A second signal ends it at once.
+STOP_REQUESTS: list[int] = []  # the stop signals received, in order
 
-    args = tyro.cli(Args, description=__doc__)  # before the heavier imports: --help is instant
+
+def stop_submitting(signum, frame) -> None:
+    """Handler of SIGTERM and SIGUSR1: backpressure sees STOP_REQUESTS and lets no group be submitted; the loop ends
+    once the groups in flight are pushed. A second signal ends the actor at once, with 128 + the signal: the groups
+    not yet pushed are lost. (os.write: a print here could cut into a print the signal interrupted.)"""
+    STOP_REQUESTS.append(signum)
+    if len(STOP_REQUESTS) > 1:
+        os._exit(128 + signum)
+    message = f"{signal.Signals(signum).name}: the groups in flight are finished and pushed, then the actor stops\n"
+    os.write(sys.stderr.fileno(), message.encode())
+
+
+# The arguments and the data: refusals, the data order
+COUNTS = ("records_per_version", "max_completion_tokens", "concurrency", "grade_workers")  # each must be 1 or more
+
+
+def check_args(args: Args) -> None:
+    """Settings refused before any work, naming the flag."""
+    for name in COUNTS:  # 0 would divide by zero, or do nothing
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit is a number of problems, 1 or more (None: all of them); got {args.limit}")
-    if args.grade_workers < 1:
-        raise SystemExit(f"--grade-workers must be 1 or more, got {args.grade_workers}")
+    if args.group_size < 2:  # a group of one is its own baseline: its advantage is 0 (its std NaN) and nothing learns
+        refuse(f"--group-size must be 2 or more (each completion is scored against its group's), got {args.group_size}")
 
-    import random
 
-    import redis
-
-    # TRY NOT TO MODIFY: data, Redis, servers
-    actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
-    train = load_split(args.dataset, "train")[: args.limit]
-    if not train:
-        raise SystemExit(f"no training problems: {args.dataset} holds none")
-    rng = random.Random(f"{args.seed}/{actor_id}")  # each actor walks the data in its own order
-    order = rng.sample(range(len(train)), len(train))
-    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
-    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
-
-    # backpressure state: see the docstring for the rule
-    version0 = server_version(args.vllm_urls)  # the version the servers served when this actor started
-    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
-    questions = [row["question"] for row in train]
-    longest = longest_prompt(args.vllm_urls[0], questions, args.system_prompt, args.concurrency)
-    check_lengths(longest, args.max_completion_tokens, min(info["max_model_len"] for info in served))
-    version = version0  # the servers' current version
-    queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-    submitted_records = queue_len  # records already in the queue count as submitted
-    submitted_groups = 0
-    next_group = 0  # this actor's number for the next group
-    pushed_groups = 0
-    pushed_records = 0
-    inflight = {}  # future -> (group number, row, url)
-    load = {url: 0 for url in args.vllm_urls}  # requests in flight per server
-    pool = ThreadPoolExecutor(args.concurrency)
-    start = time.time()
-    last_log = 0.0
-    last_poll = 0.0
-    waiting = (None, 0.0)  # (why the actor last waited, when it said so)
-    print(
-        f"actor {actor_id}: {len(train)} problems, servers {args.vllm_urls} at version {version}, "
-        f"queue {args.queue_key} at {where} holds {queue_len} records",
-        flush=True,
-    )
-
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # from here on: finish the groups in flight, then end
-        signal.signal(signum, stop_submitting)
-    while True:
-        # 1) submit groups while the backpressure rule allows
-        if time.monotonic() - last_poll > 0.2:  # the servers' version and the queue length, 5 times a second
-            version = server_version(args.vllm_urls)
-            queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-            last_poll = time.monotonic()
-        why = None
-        while len(inflight) < args.concurrency and (args.max_steps is None or submitted_groups < args.max_steps):
-            why = backpressure(version - version0, queue_len, submitted_records, args)
-            if why:
-                break
-            row = train[order[next_group % len(train)]]
-            url = min(args.vllm_urls, key=lambda u: load[u])  # the least busy server
-            fut = pool.submit(generate_group, url, row["question"], args)
-            inflight[fut] = (next_group, row, url)
-            load[url] += 1
-            next_group += 1
-            submitted_groups += 1
-            submitted_records += args.group_size
-        if why and (why != waiting[0] or time.time() - waiting[1] > 60):  # say why it waits, now and then
-            print(f"actor {actor_id}: waiting: {why}", flush=True)
-            waiting = (why, time.time())
-        if not inflight:
-            if STOP_REQUESTS or (args.max_steps is not None and pushed_groups >= args.max_steps):
-                break
-            time.sleep(0.1)
-            continue
-
-        # 2) collect finished groups
-        done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
-        finished = []
-        for fut in done:
-            g, row, url = inflight.pop(fut)
-            load[url] -= 1
-            try:
-                finished.append((g, row, fut.result()))
-            except Exception as e:  # a server error: the prompt is skipped, its place in the budget freed
-                submitted_groups -= 1
-                submitted_records -= args.group_size
-                print(f"WARNING: generation on {url} failed, prompt skipped: {e}", flush=True)
-        if not finished:
-            continue
-
-        # 3) grade every completion, 4) advantages relative to each group
-        samples = [
-            Sample(row, res["prompt_token_ids"], completion, g, i)
-            for g, row, res in finished
-            for i, completion in enumerate(res["completions"])
-        ]
-        grades = grade_batch(
-            [sample.completion["text"] for sample in samples],
-            [sample.row["answer"] for sample in samples],
-            args.grade_timeout_s,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
+def check_lengths(longest_prompt: int, max_completion_tokens: int, max_model_len: int) -> None:
+    """Refuse, at the start, a completion budget that the server's context cannot hold after the longest prompt: the
+    server would refuse that prompt's requests steps later."""
+    if longest_prompt + max_completion_tokens > max_model_len:
+        raise SystemExit(
+            f"--max-completion-tokens {max_completion_tokens} after the longest prompt ({longest_prompt} tokens) "
+            f"exceeds the server's max_model_len {max_model_len}: lower it, or start the server with a larger "
+            "--max-model-len"
         )
-        advantages = []
-        zero_std = []  # per group: all its rewards equal (all its advantages 0: no learning signal)
-        for k in range(0, len(samples), args.group_size):
-            rewards = [gr.reward for gr in grades[k : k + args.group_size]]
-            advantages += group_advantages(rewards, args.scale_rewards)
-            zero_std.append(len(set(rewards)) == 1)
-        truncated = [sample.completion["finish_reason"] == "length" for sample in samples]
 
-        # 5) push one record per completion (format: see the docstring)
-        records = make_records(samples, grades, advantages, version, actor_id, args)
-        # blocks (and retries) while Redis is down
-        with_retries("RPUSH", where, lambda records=records: push_records(r, args.queue_key, records))
-        pushed_groups += len(finished)
-        pushed_records += len(records)
 
-        # 6) log
-        if time.time() - last_log >= args.log_every_s:
-            last_log = time.time()
-            print(
-                f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
-                f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
-                f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g} "
-                f"frac_reward_zero_std={sum(zero_std) / len(zero_std):.4g} "
-                f"completion_truncated_rate={sum(truncated) / len(truncated):.4g}",
-                flush=True,
-            )
-    pool.shutdown()
-    print(
-        f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
-        f"{time.time() - start:.1f}s, {submitted_groups} submitted",
-        flush=True,
-    )
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The order of the n training problems in epoch `epoch`: a new permutation every epoch, drawn from (seed, epoch)
+    alone (epoch 0: from the seed, as in earlier versions of this script)."""
+    import numpy as np
+
+    return tuple(np.random.default_rng([seed, epoch] if epoch else seed).permutation(n).tolist())
+
+
+def problem_index(seed: int, position: int, n: int) -> int:
+    """The training problem drawn at `position` of the run (prompts counted over steps and resumes): reshuffled every
+    epoch, so a resumed run draws what an uninterrupted one would."""
+    epoch, i = divmod(position, n)
+    return epoch_order(seed, epoch, n)[i]
+
+
+def load_split(dataset: str, split: str) -> list[tuple[str, str]]:
+    """The split's problems, each row through the TASK's to_problem: from the hub (config DATASET_CONFIG), or from
+    `dataset`/{split}.jsonl. Every row is checked here, before any work: one that to_problem refuses stops the run,
+    named by its file and line (a hub row: its split and index)."""
+    if os.path.isdir(dataset):  # one JSON object per line (blank lines skipped): no need of `datasets` to read it
+        rows = read_jsonl(os.path.join(dataset, f"{split}.jsonl"))
+    else:
+        import datasets
+
+        rows = [
+            (f"{dataset} {split}[{i}]", row)
+            for i, row in enumerate(datasets.load_dataset(dataset, DATASET_CONFIG, split=split))
+        ]
+    problems = []
+    for where, row in rows:
+        try:
+            problems.append(to_problem(row))
+        except ValueError as e:
+            refuse(f"{where}: {e}")
+    return problems
+
+
+def read_jsonl(file: str) -> list[tuple[str, object]]:
+    """Each non-blank line of `file` as (FILE:LINE, its JSON value). A line that is not JSON stops the run there."""
+    rows = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [(f"{file}:{n}", json.loads(line.rstrip("\n")))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                refuse(f"{file}:{n}: not JSON ({e.msg}, column {e.colno})")
+    return rows
+
+
+def refuse(message: str) -> None:
+    """Stop the run on bad input: one line on stderr, no traceback, exit status 2."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

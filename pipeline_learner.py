@@ -9,7 +9,8 @@ the new weights (in-flight updates, as in PipelineRL, Piche et al. 2025): one co
 
 What this learner does, and how:
   - a batch is --batch-size records in queue order (BLPOP waits for the first, LPOP takes the rest); the actor
-    computed the group advantages, so a batch need not hold whole groups;
+    computed the group advantages, so a batch need not hold whole groups. A record whose advantage is 0 changes no
+    gradient: it is not fed through the model, and the loss's divisor still counts it (make_batch);
   - staleness: lag = this learner's version - the record's version_max. Records with lag > --max-lag are dropped,
     counted and logged (lag_hist, dropped); the others are off-policy by up to max_lag versions, and the loss
     corrects for it with an importance ratio against the sampling logprobs the record carries (see policy_loss);
@@ -25,7 +26,9 @@ What this learner does, and how:
     own logprobs up to numerics: past --max-logprob-mismatch the servers are not running its policy, and it stops.
 
 What it leaves out, on purpose: sharding the learner over GPUs (reinforce_math_fsdp2.py shows FSDP2), a replay
-buffer, a KL penalty and LoRA. The loss is the ALGO LOGIC section; the loop at the bottom pops, trains and pushes.
+buffer, a KL penalty and LoRA. It reads no data set (the actor does: its TASK section). The reading order: Args; ALGO
+LOGIC (the off-policy loss and the update); main() with the loop that pops, trains and pushes; then MACHINERY, what a
+reader can skip.
 
 Record format (one Redis list entry per completion: a msgpack map, or a JSON object; never pickle):
   schema                int    1
@@ -35,7 +38,8 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
   completion_token_ids  [int]  the sampled tokens (the eos token included when the model stopped)
   logprobs              [float] log mu(token) of every completion token under the policy that sampled it
                                (vLLM's processed logprobs: after temperature), as long as completion_token_ids
-  reward                float  1.0 if the last \\boxed{} equals the gold answer, else 0.0
+  reward                float  the actor's grade of the completion (GSM8K: 1.0 if the last \\boxed{} equals the
+                               gold answer, else 0.0)
   advantage             float  reward - group mean (/ (group std + 1e-4) with --scale-rewards)
   version_min           int    oldest policy version that sampled a token of this completion
   version_max           int    newest one (they differ when a push landed mid-completion); lag = learner's
@@ -44,13 +48,12 @@ Record format (one Redis list entry per completion: a msgpack map, or a JSON obj
                                learner refuses a record sampled at another temperature than its --temperature
   finish_reason         str    optional: "length" when the completion hit the token limit (the learner counts it
                                as truncated), "stop" otherwise
-  optional, ignored by the learner: text, correct, parse_error, actor, time
+  optional, ignored by the learner: prompt, gold (the problem), text, correct, parse_error, actor, time
 
   python pipeline_learner.py --model Qwen/Qwen2.5-0.5B-Instruct --redis-url redis://localhost:6379/0 \\
       --queue-key gsm8k_rollouts --vllm-urls http://127.0.0.1:8000 http://127.0.0.1:8001 --batch-size 64 --max-lag 2
 """
 
-import dataclasses
 import datetime
 import functools
 import hashlib
@@ -65,7 +68,7 @@ import sys
 import time
 import urllib.parse
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple, Optional
 
 import requests  # torch and transformers are imported in main, after the arguments are parsed
@@ -109,9 +112,6 @@ class Args:
     mask_truncated_completions: bool = False
     """no gradient for a completion the actor's server cut at its token limit (the record's finish_reason "length") or
     cut by --max-seq-len (DAPO's overlong filtering); its reward still counts in the statistics"""
-    skip_zero_std_groups: bool = False
-    """do not feed records of groups whose rewards were all equal (their advantage is exactly 0) through the model;
-    the loss is then normalised over the records fed"""
 
     # The queue
     redis_url: str = "redis://localhost:6379/0"
@@ -153,8 +153,10 @@ class Args:
     with it (a flag given again overrides)"""
 
 
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: the off-policy loss, the policy's logprobs, micro-batches
+# The algorithm: policy_loss, make_batch, update_policy. Memory engineering, which changes no number:
+# token_logprobs's chunked lm_head and entropy_rows (no [b, L, V] tensor), and the packing of sequences into
+# micro-batches of --micro-token-budget tokens (pack_micro_batches, micro_batch, as_rows).
 # Shapes: B sequences in a batch (b in a micro-batch), L tokens of the longest prompt + completion in a micro-batch,
 # T completion tokens of its longest completion, N completion tokens of all its rows, V vocabulary, H hidden size.
 def policy_loss(
@@ -166,6 +168,7 @@ def policy_loss(
     clip_eps_low=0.2,
     clip_eps_high=0.2,
     tis_cap=2.0,
+    divisor=None,
     stats=None,
 ):
     """Policy gradient on data sampled by an older policy mu. logprobs (pi_theta, with grad), sampling_logprobs
@@ -182,7 +185,9 @@ def policy_loss(
       tis: per token -min(r, tis_cap).detach() A log pi   (truncated importance sampling, IMPALA's rho-bar,
            Espeholt et al. 2018): every token keeps a gradient, its weight capped; bias in place of variance.
     Fresh data (lag 0) has r = 1 up to numerics: both reduce to REINFORCE with GRPO's group baseline.
-    Aggregation: the mean over sequences of each sequence's token mean (GRPO)."""
+    Aggregation: each sequence's token mean (GRPO), summed over the sequences and divided by `divisor`, the step's
+    records counted once, fed through the model or not (update_policy), so that each micro-batch adds its exact share
+    (None: this batch's sequences)."""
     import torch
 
     ratio = torch.exp((logprobs - sampling_logprobs) * mask)  # [B, T]: pi_theta / mu (padding: 1)
@@ -198,7 +203,8 @@ def policy_loss(
     if stats is not None:  # sums over tokens, so micro-batches add up
         for key, x in (("clipped_tokens", inactive), ("ratio_sum", ratio), ("tokens", torch.ones_like(ratio))):
             stats[key] = stats.get(key, 0.0) + (x.detach() * mask).sum().item()
-    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    per_sequence = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
+    return per_sequence.sum() / (mask.shape[0] if divisor is None else divisor)
 
 
 def token_logprobs(model, input_ids, attention_mask, targets_at, temperature: float = 1.0, chunk: int = 128):
@@ -305,22 +311,25 @@ class Batch(NamedTuple):  # a step's B records as the update sees them, in the o
     hit_limit: list[bool]  # [B] cut by the actor's --max-completion-tokens
     cut: list[bool]  # [B] cut by --max-seq-len
     zero_std: list[bool]  # [B] a record whose group's rewards were all equal (its advantage is exactly 0)
-    fed: list[int]  # the records fed through the model (--skip-zero-std-groups leaves those out)
     masked: list[bool]  # [B] no gradient for this record's tokens (--mask-truncated-completions)
+    fed: list[int]  # the records fed through the model: those that can change the gradient
 
 
 def make_batch(records: list[dict], args: Args) -> Batch:
     """Which of the step's records the update sees, and which of their tokens get a gradient. A batch need not hold
-    whole groups: a record carries its group's verdict in its advantage."""
+    whole groups: a record carries its group's verdict in its advantage. A record whose advantage is exactly 0 adds 0
+    to every token's loss, ppo's and tis's alike: it is not fed at all (most groups early and late in a run have equal
+    rewards). The loss's divisor still counts it (update_policy), so the gradient is the one that feeding it would
+    give."""
     seqs = [(rec["prompt_token_ids"] + rec["completion_token_ids"])[: args.max_seq_len] for rec in records]
     n_prompt = [len(rec["prompt_token_ids"]) for rec in records]
     n_comp = [max(0, len(seq) - n) for seq, n in zip(seqs, n_prompt, strict=True)]
     hit_limit = [rec.get("finish_reason") == "length" for rec in records]
     cut = [len(rec["prompt_token_ids"]) + len(rec["completion_token_ids"]) > args.max_seq_len for rec in records]
     zero_std = [rec["advantage"] == 0.0 for rec in records]
-    fed = [i for i in range(len(records)) if not (args.skip_zero_std_groups and zero_std[i])]
     masked = [args.mask_truncated_completions and (hit_limit[i] or cut[i]) for i in range(len(records))]
-    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, fed, masked)
+    fed = [i for i in range(len(records)) if n_comp[i] and not masked[i] and not zero_std[i]]
+    return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, masked, fed)
 
 
 def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Args, pad_id: int, version: int, check):
@@ -335,7 +344,7 @@ def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Arg
     advantages = torch.tensor([rec["advantage"] for rec in records], dtype=torch.float32)  # [B]
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
-    n_fed = max(1, len(batch.fed))
+    divisor = len(batch.seqs)  # the step's records, fed or not: each micro-batch's loss is its exact share
     stats = {"loss": 0.0, "entropy_sum": 0.0}
     mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
     fresh_tokens = 0  # those tokens
@@ -362,14 +371,17 @@ def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Arg
             args.clip_eps_low,
             args.clip_eps_high,
             args.tis_cap,
+            divisor,
             stats=stats,
         )
-        loss = loss * len(idx) / n_fed  # a mean over sequences: micro-batches add up to the batch's loss
         if not torch.isfinite(loss):
             bad = True
             break
         loss.backward()
         stats["loss"] += loss.item()
+    if not micro:  # nothing fed: the zero gradient that feeding the records gives (AdamW's momentum still steps)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     stats["mismatch"] = mismatch_sum / fresh_tokens if fresh_tokens else float("nan")  # nan: no record of lag 0
     if check is not None and not bad:  # before the update: records sampled by weights we do not hold teach nothing
         check(stats["mismatch"])
@@ -381,6 +393,135 @@ def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Arg
     return stats, updated
 
 
+def main() -> None:
+    args = parse_args()  # before the heavy imports: --help is instant
+    run_args = asdict(args)  # saved with every checkpoint
+    check_args(args)
+    check_run_files(args, args.rollout_log)
+    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
+    if ckpts and ckpts[-1] >= args.train_steps:
+        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
+        raise SystemExit(0)
+    check_servers(args.vllm_urls)  # before anything heavy: no server stops the run here, saying how to start one
+
+    import redis
+    import torch
+    from transformers import AutoTokenizer
+
+    # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no shuffling, dropout off)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise SystemExit(
+            f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this learner computes in bf16 "
+            "autocast"
+        )
+    no_gpu = " (no CUDA GPU visible: a GPU needs torch built for CUDA and a CUDA 13 driver, see requirements.txt)"
+    print(f"training on {device}" + ("" if device.type == "cuda" else no_gpu), flush=True)
+    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
+    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
+    with_retries("PING", where, r.ping)
+    loggers = set(args.logger.split(","))
+
+    # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
+    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
+    tokenizer = AutoTokenizer.from_pretrained(load_from)
+    model = load_model(load_from, device, args.activation_checkpointing)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    counters = {"step": 0, "version": 0, "counts": {}, "wandb_id": None}  # a new run's
+    if load_from != args.model:
+        counters = load_trainer_state(load_from, optimizer)  # the checkpoint's
+    step = counters["step"]  # optimizer steps taken
+    version = counters["version"]  # the policy version the servers hold (one per push)
+    counts = Counter(counters["counts"])  # trained, dropped, rejected (and lost) records since the start of the run
+    wandb_id = start_wandb(args, counters["wandb_id"]) if "wandb" in loggers else None  # --resume: the same W&B run
+
+    # the servers' group, then our weights first: above every version the servers (and the queue) have seen
+    print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
+    sync = init_weight_sync(args.vllm_urls, device, args.sync_host)
+    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
+    version = max([version, *(info["version"] for info in served)]) + 1
+    push_weights(sync, model, version)
+    if args.verify_sync:
+        verify_weights(sync, model)
+    print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
+    # the sampler's policy check: the limit for the dtypes both ends compute in (our autocast on GPU)
+    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], trainer_dtype])
+    current = True  # the learner holds the weights of its last push (`version`): records of that version are fresh
+
+    start_time = time.time()
+    first_step = step
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
+        signal.signal(signum, request_stop)
+    while step < args.train_steps and not STOP_REQUESTS:
+        t0 = time.time()
+        # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
+        records, lags, t_wait, popped_log = pop_records(r, args, version, vocab_size, counts, where)
+        if records is None:  # a stop came while the queue was dry: this step is given up (the last one saved below)
+            break
+
+        # 2) which records the update sees (those that can change the gradient), which of their tokens get one
+        batch = make_batch(records, args)
+
+        # 3) loss and update: one optimizer step over all micro-batches of the records fed; before it, the check that
+        # the servers sample this policy (on the records of lag 0, if the servers hold the weights we hold)
+        check = None
+        if current:
+            check = functools.partial(
+                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
+            )
+        stats, updated = update_policy(
+            model, optimizer, batch, records, args, tokenizer.pad_token_id or 0, version, check
+        )
+        if not updated:  # no update (the push below still marks the step)
+            print(f"WARNING: non-finite loss or gradient at step {step + 1}: update skipped", flush=True)
+        step += 1
+
+        # 4) push the weights to every server: a new version
+        sync_s = 0.0
+        if step % args.sync_every_steps == 0:
+            version += 1
+            sync_s = push_weights(sync, model, version)
+            if args.verify_sync:
+                verify_weights(sync, model)
+            current = True
+        elif updated:  # records of `version` now come from weights we no longer hold: lag 0 by number, stale in fact
+            current = False
+
+        # 5) log, checkpoint
+        queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
+        totals = {
+            "dropped": counts["dropped"],
+            "rejected": counts["rejected"],
+            "trained": counts["trained"],
+            "max_lag": args.max_lag,
+            "queue_len": queue_len,
+            "version": version,
+        }
+        seconds = {"wait_s": t_wait, "sync_s": sync_s, "step_s": time.time() - t0}
+        log_metrics(step_metrics(records, batch, stats, lags, totals, seconds), step, loggers)
+        if args.rollout_log:
+            write_rollouts(args.rollout_log, step, popped_log)
+        if step % args.save_every == 0 or step == args.train_steps:
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            counters = {"step": step, "version": version, "counts": dict(counts), "wandb_id": wandb_id}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+    print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)
+    if STOP_REQUESTS and step < args.train_steps:  # the last step taken is saved (if it is not yet), then the run ends
+        if step and step not in checkpoint_steps(args.checkpoint_dir):
+            path = os.path.join(args.checkpoint_dir, f"step_{step}")
+            counters = {"step": step, "version": version, "counts": dict(counts), "wandb_id": wandb_id}
+            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
+        raise SystemExit(128 + STOP_REQUESTS[0])
+
+
+# MACHINERY: what a reader can skip. The check that the servers sample this policy; the records' decoding and the
+# queue; the client side of vllm_sync_server.py and the weight sync; the model's loading and refusals; preemption;
+# logging, checkpoints and resume; the arguments' refusals.
 # The check that the server samples this trainer's policy (--max-logprob-mismatch). A server computing with other
 # weights than those pushed (a push or adapter load that did not take, the base model kept, weights another process
 # loaded) shows as a gap between its logprobs and the trainer's on the tokens it sampled. A sound run's gap per token
@@ -410,8 +551,7 @@ def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: in
         )
 
 
-# ---------------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: records. Decode and check everything the loss will index with, before anything touches the model
+# Records: decode and check everything the loss will index with, before anything touches the model
 FIELDS = {
     "schema": int,
     "id": str,
@@ -520,7 +660,6 @@ def pop_records(r, args: Args, version: int, vocab_size: int, counts: Counter, w
     return records, lags, t_wait, popped_log
 
 
-# ---------------------------------------------------------------------------------------------------
 # The client side of vllm_sync_server.py, for several servers in one group
 def auth_headers() -> dict:
     """`Authorization: Bearer $VLLM_API_KEY` when that variable is set (vLLM's convention), on every request: a server
@@ -729,6 +868,23 @@ def verify_weights(sync: dict, model) -> None:
             raise RuntimeError(f"{url}: weights differ after the push: {differ[:5]}")
 
 
+def check_servers(urls: list[str]) -> None:
+    """Before any work: a server must answer at each of `urls` (a bounded wait of a few seconds). One does not: one
+    line naming its URL and how to start one, exit 1."""
+    for url in urls:
+        for attempt in range(3):
+            try:
+                requests.get(url + "/health", timeout=10, headers=auth_headers())
+                break
+            except requests.RequestException:
+                time.sleep(attempt + 1)
+        else:
+            raise SystemExit(
+                f"no server answers at {url}: start one (python vllm_sync_server.py --model MODEL --port PORT) and "
+                "name it in --vllm-urls"
+            )
+
+
 def with_retries(what: str, where: str, fn):
     """Run a Redis call; while Redis is unreachable, say so and retry with exponential backoff (1 s .. 30 s)."""
     import redis
@@ -741,6 +897,47 @@ def with_retries(what: str, where: str, fn):
             print(f"WARNING: Redis at {where} is not reachable ({what}: {e}); retrying in {delay:.0f}s", flush=True)
             time.sleep(delay)
             delay = min(2 * delay, 30.0)
+
+
+# The model, and the refusals of one whose logprobs the learner would get wrong
+def load_model(path: str, device, activation_checkpointing: bool):
+    """The policy at `path` in fp32 on `device`, in training mode with every dropout off (disable_dropout), refused if
+    its forward changes its logits after the lm_head (check_logits); activation checkpointing if asked."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
+    check_logits(model.config)  # token_logprobs's lm_head shortcut must compute the model's own logits
+    disable_dropout(model)  # the policy's logprobs must be the sampler's: no random masks in training mode
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
+    return model
+
+
+def check_logits(config) -> None:
+    """Refuse a model whose forward changes its logits after the lm_head (Gemma 2 and 3 soft-cap them, Cohere and
+    Granite scale them): token_logprobs computes lm_head(hidden) itself (a memory saving), so its logprobs would be
+    neither the model's nor vLLM's."""
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise SystemExit(
+                f"{config.model_type} changes its logits after the lm_head ({name}={getattr(config, name)}): "
+                "token_logprobs computes lm_head(hidden) directly and would not get this model's logprobs"
+            )
+
+
+def disable_dropout(model) -> None:
+    """Dropout off in every module, the model still in training mode (activation checkpointing runs only then): a
+    dropout mask would make the trainer's logprobs noisy, the first pass's ratio not 1, and the server look wrong.
+    nn.Dropout layers and the attention's dropout probability (an attribute such as `attention_dropout`) go to 0."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 # Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,
@@ -775,6 +972,14 @@ def log_metrics(metrics: dict, step: int, loggers: set[str]) -> None:
         wandb.log({k: v for k, v in metrics.items() if not isinstance(v, str)}, step=step)
 
 
+def start_wandb(args: Args, run_id: Optional[str]) -> str:
+    """Start W&B logging (it reads WANDB_* variables; WANDB_MODE=offline writes to ./wandb only) and return the run's
+    id, saved with each checkpoint: --resume continues that W&B run, not a new one."""
+    import wandb
+
+    return wandb.init(config=asdict(args), id=run_id, resume="allow").id
+
+
 def step_metrics(records: list[dict], batch: Batch, stats: dict, lags: Counter, totals: dict, seconds: dict) -> dict:
     """The step's metrics (docs/pipeline.md, Logged metrics): from its records, its batch, the update's `stats`, the
     lags popped, the run's `totals` (dropped, rejected, trained, max_lag, queue_len, version) and `seconds` (wait_s,
@@ -792,6 +997,7 @@ def step_metrics(records: list[dict], batch: Batch, stats: dict, lags: Counter, 
         "completion_truncated_rate": sum(batch.hit_limit) / B,
         "seq_len_truncated_rate": sum(batch.cut) / B,
         "frac_reward_zero_std": sum(batch.zero_std) / B,
+        "frac_samples_skipped": 1 - len(batch.fed) / B,  # no gradient to give: not fed (make_batch)
         "clip_frac": stats.get("clipped_tokens", 0.0) / tokens,
         "ratio": stats.get("ratio_sum", tokens) / tokens,
         "logprob_mismatch": stats["mismatch"],
@@ -854,6 +1060,18 @@ def publish_checkpoint(tmp: str, path: str) -> None:
     os.close(fd)
 
 
+def load_trainer_state(path: str, optimizer) -> dict:
+    """What save_checkpoint saved at `path` besides the model: trainer_state.pt into `optimizer` and torch's random
+    generator. Returns the run's counters (step, version, counts, wandb_id)."""
+    import torch
+
+    state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)  # any device's
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    print(f"resumed from {path} at step {state['step']}", flush=True)
+    return {name: state.get(name) for name in ("step", "version", "counts", "wandb_id")}
+
+
 def checkpoint_steps(checkpoint_dir: str, say: bool = False) -> list[int]:
     """The steps N of the complete step_N checkpoints in `checkpoint_dir`, in increasing order ([] if there is none).
     publish_checkpoint puts only whole checkpoints there, so anything else was cut short: a step_N.tmp, or a step_N
@@ -902,6 +1120,12 @@ def parse_args() -> Args:
     return args
 
 
+def check_args(args: Args) -> None:
+    """Settings refused before any work, naming the flag (the counts are parse_args's to check)."""
+    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
+        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
+
+
 def check_run_files(args: Args, rollout_log: Optional[str]) -> None:
     """Before any work: a run that does not --resume refuses a --checkpoint-dir that holds checkpoints and a rollout
     log that exists (another run's: it would mix into them, and --keep-checkpoints would delete them); a resumed run
@@ -932,136 +1156,4 @@ def prune_checkpoints(checkpoint_dir: str, keep: int) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args()  # before the heavy imports: --help is instant
-    if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
-        raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
-    run_args = dataclasses.asdict(args)  # saved with every checkpoint
-    check_run_files(args, args.rollout_log)
-    ckpts = checkpoint_steps(args.checkpoint_dir, say=True) if args.resume else []
-    if ckpts and ckpts[-1] >= args.train_steps:
-        print(f"nothing to do: the newest checkpoint, step_{ckpts[-1]}, has --train-steps {args.train_steps}")
-        raise SystemExit(0)
-
-    import redis
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # TRY NOT TO MODIFY: device, Redis, logging (nothing here is random: no sampling, no dropout, no shuffling)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise SystemExit(
-            f"{torch.cuda.get_device_name(device)} has no bfloat16 (Ampere or newer): this learner computes in bf16 "
-            "autocast"
-        )
-    no_gpu = " (no CUDA GPU visible: a GPU needs torch built for CUDA and a CUDA 13 driver, see requirements.txt)"
-    print(f"training on {device}" + ("" if device.type == "cuda" else no_gpu), flush=True)
-    where = args.redis_url.rsplit("@", 1)[-1]  # never print a password
-    r = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=60)
-    with_retries("PING", where, r.ping)
-    loggers = set(args.logger.split(","))
-    if "wandb" in loggers:
-        import wandb
-
-        wandb.init(config=dataclasses.asdict(args), resume="allow")
-
-    # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
-    step = 0  # optimizer steps taken
-    version = 0  # the policy version the servers hold (one per push)
-    counts = Counter()  # trained, dropped, rejected records since the start of the run
-    load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
-    tokenizer = AutoTokenizer.from_pretrained(load_from)
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device)
-    if args.activation_checkpointing:
-        model.gradient_checkpointing_enable()  # keep one decoder layer's activations at a time; recompute in backward
-    model.train()
-    vocab_size = model.get_input_embeddings().num_embeddings
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    if load_from != args.model:
-        state_path = os.path.join(load_from, TRAINER_STATE)
-        state = torch.load(state_path, map_location="cpu", weights_only=True)  # saved from any device
-        optimizer.load_state_dict(state["optimizer"])
-        step, version, counts = state["step"], state["version"], Counter(state["counts"])
-        torch.set_rng_state(state["torch_rng"])
-        print(f"resumed from {load_from} at step {step}", flush=True)
-
-    # the servers' group, then our weights first: above every version the servers (and the queue) have seen
-    print(f"loaded {load_from} on {device}; joining the workers of {len(args.vllm_urls)} server(s)", flush=True)
-    sync = init_weight_sync(args.vllm_urls, device, args.sync_host)
-    served = [requests.get(u + "/runtime_version", timeout=30, headers=auth_headers()).json() for u in args.vllm_urls]
-    version = max([version, *(info["version"] for info in served)]) + 1
-    push_weights(sync, model, version)
-    if args.verify_sync:
-        verify_weights(sync, model)
-    print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
-    # the sampler's policy check: the limit for the dtypes both ends compute in (our autocast on GPU)
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], trainer_dtype])
-    current = True  # the learner holds the weights of its last push (`version`): records of that version are fresh
-
-    start_time = time.time()
-    first_step = step
-    for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
-        signal.signal(signum, request_stop)
-    while step < args.train_steps and not STOP_REQUESTS:
-        t0 = time.time()
-        # 1) wait for a batch: pop, decode, drop stale records (lag > max_lag)
-        records, lags, t_wait, popped_log = pop_records(r, args, version, vocab_size, counts, where)
-        if records is None:  # a stop came while the queue was dry: this step is given up (the last one saved below)
-            break
-
-        # 2) which records the update sees, and which of their tokens get a gradient
-        batch = make_batch(records, args)
-
-        # 3) loss and update: one optimizer step over all micro-batches of the records fed; before it, the check that
-        # the servers sample this policy (on the records of lag 0, if the servers hold the weights we hold)
-        check = None
-        if current:
-            check = functools.partial(
-                check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
-            )
-        stats, updated = update_policy(
-            model, optimizer, batch, records, args, tokenizer.pad_token_id or 0, version, check
-        )
-        if not updated:  # no update (the push below still marks the step)
-            print(f"WARNING: non-finite loss or gradient at step {step}: update skipped", flush=True)
-        step += 1
-
-        # 4) push the weights to every server: a new version
-        sync_s = 0.0
-        if step % args.sync_every_steps == 0:
-            version += 1
-            sync_s = push_weights(sync, model, version)
-            if args.verify_sync:
-                verify_weights(sync, model)
-            current = True
-        elif updated:  # records of `version` now come from weights we no longer hold: lag 0 by number, stale in fact
-            current = False
-
-        # 5) log, checkpoint
-        queue_len = with_retries("LLEN", where, lambda: r.llen(args.queue_key))
-        totals = {
-            "dropped": counts["dropped"],
-            "rejected": counts["rejected"],
-            "trained": counts["trained"],
-            "max_lag": args.max_lag,
-            "queue_len": queue_len,
-            "version": version,
-        }
-        seconds = {"wait_s": t_wait, "sync_s": sync_s, "step_s": time.time() - t0}
-        log_metrics(step_metrics(records, batch, stats, lags, totals, seconds), step, loggers)
-        if args.rollout_log:
-            write_rollouts(args.rollout_log, step, popped_log)
-        if step % args.save_every == 0 or step == args.train_steps:
-            path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            counters = {"step": step, "version": version, "counts": dict(counts)}
-            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
-            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
-    print(f"done: {step - first_step} steps in {time.time() - start_time:.1f}s; records: {dict(counts)}", flush=True)
-    if STOP_REQUESTS and step < args.train_steps:  # the last step taken is saved (if it is not yet), then the run ends
-        if step and step not in checkpoint_steps(args.checkpoint_dir):
-            path = os.path.join(args.checkpoint_dir, f"step_{step}")
-            counters = {"step": step, "version": version, "counts": dict(counts)}
-            save_checkpoint(path, model, tokenizer, optimizer, counters, run_args)
-            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
-        print(f"stopped by {signal.Signals(STOP_REQUESTS[0]).name} after step {step}: --resume goes on from there")
-        raise SystemExit(128 + STOP_REQUESTS[0])
+    main()

@@ -263,6 +263,127 @@ def test_policy_loss_is_importance_weighted():
     assert torch.allclose(lp.grad, torch.tensor([[-1.1, -1.5, -2.0, -0.5]]) * 2 / 4)
 
 
+def test_policy_loss_divides_by_the_steps_records():
+    """The divisor is the step's records, counted once (fed or not): each micro-batch's loss is its exact share of the
+    step's, and None divides by the batch's own sequences (a mean over them)."""
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.6, 1.0]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    whole = L.policy_loss(lp, lp, adv, mask)
+    parts = sum(L.policy_loss(lp[i : i + 1], lp[i : i + 1], adv[i : i + 1], mask[i : i + 1], divisor=2) for i in (0, 1))
+    assert torch.allclose(whole, parts) and torch.allclose(whole, torch.tensor(-(2.0 - 1.0) / 2))
+
+
+def synthetic_records(advantages: list[float], truncated: int) -> list[dict]:
+    """Records of random tokens below the tiny model's vocabulary, of different lengths, with `advantages`; the record
+    at index `truncated` hit the completion limit."""
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for i, adv in enumerate(advantages):
+        completion = torch.randint(5, 300, (4 + i,), generator=g).tolist()
+        records.append(
+            record(
+                id=f"t/{i // 4}/{i % 4}",
+                prompt_token_ids=torch.randint(5, 300, (3 + i % 3,), generator=g).tolist(),
+                completion_token_ids=completion,
+                logprobs=(-3 * torch.rand(len(completion), generator=g)).tolist(),
+                advantage=adv,
+                finish_reason="length" if i == truncated else "stop",
+            )
+        )
+    return records
+
+
+@pytest.mark.parametrize("loss", ["ppo", "tis"])
+def test_records_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, loss):
+    """make_batch feeds only the records that can change the gradient: a zero advantage (a group of equal rewards) adds
+    0 to every token's loss, ppo's and tis's, as does a completion masked by --mask-truncated-completions. The divisor
+    is the step's records, fed or not, so the step that skips them is the step that feeds them: the same gradient norm
+    and the same weights (SGD: the update is linear in the gradient; small micro-batches). A step with nothing to feed
+    still steps AdamW, as feeding its records would (a zero gradient: the momentum moves the weights)."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    records = synthetic_records([0.0, 0.0, 1.2, -0.4, 0.0, 0.7, -1.5, 0.0], truncated=5)
+    args = tyro.cli(L.Args, args=["--loss", loss, "--mask-truncated-completions", "--micro-token-budget", "40"])
+    batch = L.make_batch(records, args)
+    assert batch.fed == [2, 3, 6] and batch.masked[5]  # not the zero advantages (0, 1, 4, 7) nor the masked one (5)
+    after = {}
+    stats = {}
+    for name, fed in (("skipped", batch.fed), ("all fed", list(range(len(records))))):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats[name], updated = L.update_policy(model, optimizer, batch._replace(fed=fed), records, args, 0, 0, None)
+        assert updated
+        after[name] = dict(model.named_parameters())
+    g_skip, g_all = stats["skipped"]["grad_norm"], stats["all fed"]["grad_norm"]
+    assert g_all > 0 and abs(g_skip - g_all) < 1e-5 * g_all, (g_skip, g_all)
+    assert abs(stats["skipped"]["loss"] - stats["all fed"]["loss"]) < 1e-5 * abs(stats["all fed"]["loss"])
+    before = dict(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
+    diff = max((after["skipped"][k] - after["all fed"][k]).abs().max().item() for k in before)
+    moved = max((after["skipped"][k] - before[k]).abs().max().item() for k in before)
+    assert diff < 1e-5 * moved, (diff, moved)
+
+    # nothing to feed: a step of AdamW after one with a gradient, fed nothing or fed every record of advantage 0
+    zeros = [{**rec, "advantage": 0.0} for rec in records]
+    empty = L.make_batch(zeros, args)
+    assert empty.fed == []
+    for name, fed in (("skipped", []), ("all fed", list(range(len(records))))):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        L.update_policy(model, optimizer, batch, records, args, 0, 0, None)
+        stats[name], updated = L.update_policy(model, optimizer, empty._replace(fed=fed), zeros, args, 0, 0, None)
+        assert updated and stats[name]["grad_norm"] == 0.0 and stats[name]["loss"] == 0.0
+        assert {int(s["step"]) for s in optimizer.state_dict()["state"].values()} == {2}
+        after[name] = dict(model.named_parameters())
+    assert all(torch.equal(after["skipped"][k], after["all fed"][k]) for k in before)
+
+
+def test_the_learner_trains_with_dropout_off_and_refuses_a_model_that_changes_its_logits(tiny_model, tmp_path):
+    """load_model: a model with attention dropout 0.3 (two forwards in training mode differ: the control) comes back in
+    training mode, which activation checkpointing needs, with its dropout off: two forwards agree, and agree with eval
+    mode. A model that soft-caps its logits (Gemma 2's final_logit_softcapping) is refused, naming the setting:
+    token_logprobs's lm_head shortcut would not compute its logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    for name, setting, value in (("dropout", "attention_dropout", 0.3), ("softcap", "final_logit_softcapping", 30.0)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        setattr(model.config, setting, value)
+        model.save_pretrained(tmp_path / name)
+    ids = torch.tensor([[5, 17, 33, 2, 91, 44, 8, 120]])
+    torch.manual_seed(0)
+    control = AutoModelForCausalLM.from_pretrained(tmp_path / "dropout").train()
+    assert not torch.equal(control(ids).logits, control(ids).logits)
+    model = L.load_model(str(tmp_path / "dropout"), torch.device("cpu"), activation_checkpointing=True)
+    assert model.training
+    first, second = model(ids).logits, model(ids).logits
+    assert torch.equal(first, second) and torch.allclose(first, model.eval()(ids).logits, atol=1e-6)
+    with pytest.raises(SystemExit, match=r"changes its logits after the lm_head \(final_logit_softcapping=30.0\)"):
+        L.load_model(str(tmp_path / "softcap"), torch.device("cpu"), activation_checkpointing=False)
+
+
+def test_the_actor_refuses_a_group_of_one(tmp_path):
+    """--group-size 1: a group of one is its own baseline (its advantage 0, its std NaN). Refused at once, exit 2, one
+    line naming the flag, before the data, the servers or Redis are looked at (none is there)."""
+    cmd = actor_cmd([f"http://127.0.0.1:{free_port()}"], f"redis://127.0.0.1:{free_port()}/0", "one")
+    r = subprocess.run([*cmd, "--group-size", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "--group-size must be 2 or more (each completion is scored against its group's), got 1"
+
+
+@pytest.mark.parametrize("script", [ACTOR, LEARNER])
+def test_no_server_is_named_in_one_line(script, tmp_path):
+    """The newcomer who forgot to start a server: one line naming its URL and how to start one, exit 1, no traceback,
+    before Redis is asked (none is there) or a model is loaded."""
+    url = f"http://127.0.0.1:{free_port()}"
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    cmd = actor_cmd([url], redis_url, "none") if script == ACTOR else learner_cmd([url], "/no/model", redis_url, "none")
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    said = f"no server answers at {url}: start one (python vllm_sync_server.py --model MODEL --port PORT) and name it "
+    assert r.stderr.strip().splitlines()[-1] == said + "in --vllm-urls"
+
+
 # ---------------------------------------------------------------------------------------------------
 # the real scripts: actor, learner, Redis, vLLM as separate processes
 def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
@@ -335,6 +456,7 @@ def test_end_to_end_versions_checksums_and_resume(toy, rds, tmp_path):
             "completion_truncated_rate",
             "seq_len_truncated_rate",
             "frac_reward_zero_std",
+            "frac_samples_skipped",
             "sync_s",
             "grad_norm",
         ):
@@ -640,11 +762,46 @@ def test_actor_waits_for_redis(toy, tmp_path):
             proc.wait(10)
 
 
+def test_the_actor_reshuffles_the_data_every_epoch_and_records_its_problems(toy, rds, tmp_path):
+    """--limit 4, 12 groups: three epochs of the 4 problems, each problem drawn once per epoch, in an order of each
+    epoch's own (drawn from --seed and the actor's id); every record names its problem as to_problem gave it (prompt,
+    gold)."""
+    prefill([toy.url], rds.url, "epochs", "e", 12, tmp_path, "--limit", "4", "--group-size", "2", "--concurrency", "4")
+    records = [msgpack.unpackb(raw) for raw in rds.client.lrange("epochs", 0, -1)]
+    problem = {int(rec["group_id"].split("/")[1]): (rec["prompt"], rec["gold"]) for rec in records}
+    rows = read_jsonl(os.path.join(TOY, "train.jsonl"))[:4]
+    assert len(records) == 24 and sorted(problem) == list(range(12))
+    epochs = [[problem[g] for g in range(k, k + 4)] for k in (0, 4, 8)]
+    assert all(sorted(epoch) == sorted(A.to_problem(row) for row in rows) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) > 1, epochs
+    assert rows[0]["answer"].endswith("#### 7") and {gold for _, gold in problem.values()} == {"7"}
+
+
+def test_learner_resume_continues_the_same_wandb_run(toy, rds, tmp_path):
+    """--logger wandb, offline (WANDB_MODE=offline: the run is written under WANDB_DIR, nothing is sent): a run of 1
+    step on queued records, then --resume to step 2. Both write to the W&B run of the same id, which the checkpoint
+    saved."""
+    url, model = toy
+    rds.client.rpush("wandb", *(msgpack.packb(record(id=f"w/{i}")) for i in range(16)))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    flags = ("--batch-size", "8", "--max-lag", "1000000", "--logger", "print,wandb", "--save-every", "1")
+    run_ok(
+        learner_cmd([url], model, rds.url, "wandb", "--train-steps", "1", *flags), cwd=tmp_path, timeout=600, env=env
+    )
+    saved = torch.load(tmp_path / "ckpt" / "step_1" / L.TRAINER_STATE, weights_only=True)["wandb_id"]
+    cmd = learner_cmd([url], model, rds.url, "wandb", "--train-steps", "2", "--resume", *flags)
+    assert "resumed from ckpt/step_1 at step 1" in run_ok(cmd, cwd=tmp_path, timeout=600, env=env).stdout
+    runs = sorted(p.name for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
+    assert len(runs) == 2 and all(name.endswith(f"-{saved}") for name in runs), (runs, saved)
+
+
 def test_weights_changed_behind_the_learner_stop_it(toy, rds, tmp_path):
     """7. Another process loads other weights into the server under the version the learner pushed at its start, and
     only then does an actor sample: every record has lag 0 and one version, the learner's, yet comes from other
     weights. The learner stops at step 1, before its update, naming the step, the version, the transport and the
-    figure; a run with the check off (--max-logprob-mismatch 0) trains on the same kind of records to its end."""
+    figure; a run with the check off (--max-logprob-mismatch 0) trains on the same kind of records to its end. (The
+    other weights seldom earn a reward, and records of equal rewards carry no gradient: the learner feeds them to no
+    forward, so nothing would be measured. The test gives the records it queues advantages of +-1.)"""
     url, model = toy
     other = other_weights(model, os.path.join(CHECKPOINT_ROOTS[url], "other_pipeline.safetensors"))
     log = tmp_path / "learner.log"
@@ -658,7 +815,9 @@ def test_weights_changed_behind_the_learner_stop_it(toy, rds, tmp_path):
             wait_for(log, "as version", learner)
             version = int(re.search(r"as version (\d+)", log.read_text())[1])
             load_behind(url, other, version)  # the learner's own number
-            prefill([url], rds.url, key, "x", 2, tmp_path)  # 16 records of that version, sampled by other weights
+            prefill([url], rds.url, key + ":sampled", "x", 2, tmp_path)  # 16 records of that version, sampled by
+            sampled = [msgpack.unpackb(raw) for raw in rds.client.lrange(key + ":sampled", 0, -1)]  # other weights
+            rds.client.rpush(key, *(msgpack.packb({**rec, "advantage": (-1.0) ** i}) for i, rec in enumerate(sampled)))
             code = learner.wait(300)
         finally:
             if learner.poll() is None:

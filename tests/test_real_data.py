@@ -55,9 +55,15 @@ def test_gsm8k_every_row(script, tmp_path):
     _need(GSM8K)
     m = import_script(script)
     directory = _as_test_split(GSM8K, tmp_path)
-    rows = m.load_split(directory, "test", "gsm8k") if script == EVAL else m.load_split(directory, "test")
-    assert len(rows) == 1319 and all(set(r) >= {"question", "answer"} for r in rows)
-    golds = [r["answer"] for r in rows]  # the raw field, as each script hands it to grade_batch
+    if script == EVAL:
+        rows = m.load_split(directory, "test", "gsm8k")
+        assert all(set(r) >= {"question", "answer"} for r in rows)
+        golds = [r["answer"] for r in rows]  # the raw field, as eval.py hands it to grade_batch
+    else:  # to_problem's (prompt, gold): the question, and the number after '####'
+        problems = m.load_split(directory, "test")
+        assert [prompt for prompt, _ in problems] == [r["question"] for r in read_jsonl(GSM8K)]
+        golds = [gold for _, gold in problems]
+    assert len(golds) == 1319
     numbers = [g.split("####")[-1].strip() for g in golds]
     assert all(n.replace(",", "").lstrip("-").isdigit() for n in numbers)
     if script == EVAL:  # its own gold extraction agrees with the '####' number

@@ -292,8 +292,8 @@ def test_pipeline_actor_and_learner_train_two_versions(server, real_model, tmp_p
     """pipeline_learner.py pushes its start weights, then pipeline_actor.py samples the real model (T=0.7) into a real
     redis-server, 8 records a version and never ahead of the learner (--max-lag 0); the learner trains 2 steps on
     them, every push verified by checksum: both steps trained on records of the learner's own version, whose logprobs
-    equal the learner's, the server's version is the learner's last and it holds exactly the learner's last
-    checkpoint."""
+    equal the learner's (nan: a step whose groups all had equal rewards fed no record, so measured none), the server's
+    version is the learner's last and it holds exactly the learner's last checkpoint."""
     port = free_port()
     redis_proc = start_redis(port, str(tmp_path / "redis.log"))
     redis_url = f"redis://127.0.0.1:{port}/0"
@@ -332,13 +332,15 @@ def test_pipeline_actor_and_learner_train_two_versions(server, real_model, tmp_p
     versions = [int(x["version"]) for x in m]
     assert versions == [v_start + 2, v_start + 3], (v_start, log_tail(log))
     assert [x["trained_total"] for x in m] == ["8", "16"] and [x["lag_hist"] for x in m] == ["0:8"] * 2, m
-    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
+    fed = [x for x in m if x["frac_samples_skipped"] != "1"]
+    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in fed), m
+    assert all(x["logprob_mismatch"] == "nan" for x in m if x not in fed), m
     assert requests.get(server + "/runtime_version", timeout=30).json()["version"] == versions[-1]
     assert server_matches(server, tmp_path / "ckpt" / "step_2")
     assert "Traceback" not in (tmp_path / "actor.log").read_text()
 
 
-PIPELINE_METRICS = ("version", "reward", "lag_hist", "logprob_mismatch", "step_s")
+PIPELINE_METRICS = ("version", "reward", "lag_hist", "logprob_mismatch", "frac_samples_skipped", "step_s")
 
 
 EVAL_LIMIT = 10  # the first problems of the GSM8K test set

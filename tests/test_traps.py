@@ -41,7 +41,9 @@ def test_a_model_that_changes_its_logits_after_the_lm_head_is_refused(config):
     cfg = getattr(transformers, config)()
     if config == "GraniteConfig":
         cfg.logits_scaling = 8.0  # its default, 1.0, changes nothing
-    with pytest.raises(SystemExit, match="changes its logits after the lm_head .(final_logit_softcapping|logit_scale|logits_scaling)="):
+    with pytest.raises(
+        SystemExit, match="changes its logits after the lm_head .(final_logit_softcapping|logit_scale|logits_scaling)="
+    ):
         G.check_logits(cfg)
     G.check_logits(transformers.Qwen2Config())
 
