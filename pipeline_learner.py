@@ -669,15 +669,16 @@ def auth_headers() -> dict:
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
-    """POST with retries and exponential backoff on connection errors; then an error naming the URL. `timeout`: the
-    longest wait for the server's next bytes (stream=True: also between the lines of the answer, read with `lines`)."""
+    """POST with retries and exponential backoff on connection errors (refused, or an answer cut off mid-way); then an
+    error naming the URL. `timeout`: the longest wait for the server's next bytes (stream=True: also between the
+    lines of the answer, read with `lines`)."""
     for attempt in range(retries):
         try:
             r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
             if r.status_code >= 400:
                 raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text}")
             return r
-        except requests.ConnectionError as e:
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:  # refused, or cut off
             if attempt == retries - 1:
                 raise RuntimeError(f"vLLM server at {url} is not answering ({path}) after {retries} tries: {e}") from e
             time.sleep(2**attempt)
