@@ -506,6 +506,7 @@ def completion_json(c) -> dict:
         "token_ids": list(c.token_ids),
         "text": c.text,
         "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,  # the stop string (or stop token id) that ended it; None: EOS or max_tokens
         "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
         "versions": sorted({s["version"] for s in spans}),
         "version_spans": spans,
@@ -578,6 +579,7 @@ def add_generate_route(app, state: ServerState) -> None:
         top_k: int = 0  # 0: off
         max_tokens: int = 256
         stop: Optional[list[str]] = None
+        include_stop_str_in_output: bool = False  # a multi-turn client sees where a stop string ended the text
         seed: Optional[int] = None
         ignore_eos: bool = False
         lora: Optional[str] = None  # the name of an adapter /update_adapter loaded: sample with it

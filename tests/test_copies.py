@@ -147,7 +147,7 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
             "write_rollouts": "the transcript and every turn",
             "main": "the sandbox checked at start; the tool handed to generate and evaluate; its metrics logged",
         },
-        # the turns, the tool and its sandbox, with the flags, metrics and docstrings they add (494 lines), and room
+        # the turns, the tool and its sandbox, with the flags, metrics and docstrings they add (496 lines), and room
         600,
     ),
 }

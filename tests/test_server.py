@@ -170,6 +170,26 @@ def test_generate_chat_messages_and_sampling_params(server, tiny_model):
     assert r.status_code == 400
 
 
+def test_generate_stops_at_a_string_and_keeps_it_on_request(server):
+    """A stop string ends a completion and is named (`stop_reason`; None for the budget). With
+    include_stop_str_in_output the text ends with it; without, it ends before it. Either way the token ids are the
+    greedy ones up to the token that completed it: a multi-turn client continues from exactly those."""
+    free = generate(server, prompts=[[5, 17, 33]], temperature=0.0, max_tokens=24)["results"][0]["completions"][0]
+    assert free["stop_reason"] is None and free["finish_reason"] == "length"
+    text = free["text"]
+    k = next(k for k in range(4, len(text) - 3) if text.find(text[k : k + 3]) == k and "\ufffd" not in text[: k + 3])
+    stop = text[k : k + 3]  # three characters of the greedy text, where they first occur
+    kept = generate(
+        server, prompts=[[5, 17, 33]], temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+    )["results"][0]["completions"][0]
+    cut = generate(server, prompts=[[5, 17, 33]], temperature=0.0, max_tokens=24, stop=[stop])
+    cut = cut["results"][0]["completions"][0]
+    assert kept["text"] == text[: k + 3] and cut["text"] == text[:k]
+    assert kept["stop_reason"] == cut["stop_reason"] == stop and kept["finish_reason"] == "stop"
+    assert kept["token_ids"] == cut["token_ids"] == free["token_ids"][: len(kept["token_ids"])]
+    assert len(kept["logprobs"]) == len(kept["token_ids"]) < 24
+
+
 def openai_client(url: str, key: str = KEY):
     import openai
 
