@@ -477,12 +477,8 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
     divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
     old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-    stats = {
-        "mismatch_sum": 0.0,
-        "entropy_sum": 0.0,
-        "loss": 0.0,
-        "tokens_fed": sum(batch.trained[i] for i in batch.fed),  # the model's tokens: the tool's are context
-    }
+    fed_tokens = sum(batch.trained[i] for i in batch.fed)  # the model's tokens: the tool's are context
+    stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0, "tokens_fed": fed_tokens}
     for it in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         pass_stats = stats if it == 0 else {"loss": 0.0}  # logged: pass 1's (pi_old); the clip: the last pass
@@ -1387,9 +1383,8 @@ def auth_headers() -> dict:
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
-    """POST with retries and exponential backoff on connection errors (refused, or an answer cut off mid-way); then an
-    error naming the URL. `timeout`: the longest wait for the server's next bytes (stream=True: also between the
-    lines of the answer, read with `lines`)."""
+    """POST, retried with exponential backoff when refused or cut off mid-answer; then an error naming the URL.
+    `timeout`: the longest wait for the server's next bytes (stream=True: also between the lines `lines` reads)."""
     for attempt in range(retries):
         try:
             r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())

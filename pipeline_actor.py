@@ -561,9 +561,8 @@ def auth_headers() -> dict:
 
 
 def post(url: str, path: str, body: dict, stream: bool = False, retries: int = 5, timeout: float = 600):
-    """POST with retries and exponential backoff on connection errors (refused, or an answer cut off mid-way); then an
-    error naming the URL. `timeout`: the longest wait for the server's next bytes (stream=True: also between the
-    lines of the answer, read with `lines`)."""
+    """POST, retried with exponential backoff when refused or cut off mid-answer; then an error naming the URL.
+    `timeout`: the longest wait for the server's next bytes (stream=True: also between the lines `lines` reads)."""
     for attempt in range(retries):
         try:
             r = requests.post(url + path, json=body, stream=stream, timeout=(30, timeout), headers=auth_headers())
