@@ -620,8 +620,6 @@ def main() -> None:
         raise SystemExit(0)
     train, test = load_problems(args)  # (prompt, gold) pairs, every row checked: a bad one stops the run here
     url = f"http://{args.vllm_host}:{args.vllm_port}"
-    if not args.start_server:
-        check_server(url)  # before anything heavy: no server stops the run here, saying how to start one
     import random
 
     import numpy as np
@@ -646,6 +644,8 @@ def main() -> None:
     use_device(device)
     if args.start_server:
         start_vllm_server(args, "vllm_server.log", colocated=colocated, sleep_level=sleep_level)
+    else:
+        check_server(url)  # no server stops the run here, saying how to start one (after the settings' refusals)
     loggers = set(args.logger.split(","))
 
     # data (loaded above) as chat prompts (token ids)

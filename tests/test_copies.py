@@ -132,8 +132,9 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
         # the shared transport, sleep mode and LoRA, with the flags and branches they add (573 lines), and room; 11
         # more for lora_merged's exact restore of the base (peft's unmerge does not give a bf16 base back); 4 for the
         # new version of sleep mode's re-push after a skipped step; 26 for the checkpoint transport, which the base
-        # leaves to this file (a setting of its own: a server that cannot reach the trainer's ports)
-        642,
+        # leaves to this file (a setting of its own: a server that cannot reach the trainer's ports); 4 for the server
+        # check after the refusal of sleep mode on CPU (it needs torch)
+        646,
     ),
     "grpo_gsm8k_python_tool.py": (
         "grpo_gsm8k.py",
