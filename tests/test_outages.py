@@ -157,14 +157,17 @@ def test_a_rank_killed_ends_the_run_and_leaves_the_server_usable(toy, tmp_path):
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)")
 def test_redis_restarted_empty_mid_run(toy, tmp_path):
     """Fault: the pipeline's redis-server stopped once the learner has logged step 1, and a new, empty one started on
-    the same port (the records queued and the actor's counter lost). Must hold: the learner reaches its final step
-    (4) and exits 0, and the actor, still running, pushes records to the new Redis that the learner consumes (the new
-    server's `<key>:pushed` counter above its queue's length).
+    the same port (the records queued and the actor's counter lost). Must hold: the learner, still running, logs two
+    more steps (so it trained on a batch popped from the new Redis), the actor, still running, pushed records to the
+    new Redis that the learner consumed (the new server's `<key>:pushed` counter above its queue's length), and SIGTERM
+    then ends the learner as it ends a healthy one.
 
-    The actor keeps at most one group (8 records) queued (--max-queue 0, --concurrency 1), so at the restart the old
-    Redis holds under one batch: steps 3 and 4 (32 records) need the new one. Its version budget is left wide
-    (--records-per-version 1000): the records lost in the restart still count as submitted in it, and with a budget
-    of one batch per version they could leave the actor waiting for a push that a starved learner never makes."""
+    The learner is frozen (SIGSTOP) from the moment this test sees step 1 until the new Redis is up, so the restart
+    falls between two of its pops however late the test is; its --train-steps is far more than it can take meanwhile.
+    The actor keeps at most one group (8 records) queued (--max-queue 0, --concurrency 1), so the old Redis holds
+    under one batch. Its version budget is left wide (--records-per-version 1000): the records lost in the restart
+    still count as submitted in it, and with a budget of one batch per version they could leave the actor waiting
+    for a push that a starved learner never makes."""
     port = free_port()
     redis_url = f"redis://127.0.0.1:{port}/0"
     key = "outage"
@@ -173,24 +176,26 @@ def test_redis_restarted_empty_mid_run(toy, tmp_path):
     os.makedirs(tmp_path / "L")
     log = tmp_path / "learner.log"
     try:
-        cmd = learner_cmd([toy.url], toy.model, redis_url, key, "--train-steps", "4", "--batch-size", "16")
+        cmd = learner_cmd([toy.url], toy.model, redis_url, key, "--train-steps", "1000", "--batch-size", "16")
         learner = start_logged([*cmd, "--max-lag", "1000"], log, cwd=tmp_path / "L")
         actor_extra = ("--records-per-version", "1000", "--max-queue", "0", "--concurrency", "1")
         actor = start_actor([toy.url], redis_url, key, tmp_path / "actor.log", *actor_extra)
         wait_for(log, "step 1:", learner, timeout=300)
-        before = int(redis.Redis(port=port).get(key + ":pushed") or 0)
+        learner.send_signal(signal.SIGSTOP)  # no pops while the Redis is replaced
+        logged = len(metrics_of(log.read_text()))
         old.terminate()
         old.wait(timeout=10)
         new = start_redis(port, str(tmp_path / "redis_new.log"))
-        try:
-            code = learner.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the learner did not finish within 300 s of the restart:\n" + log_tail(log))
-        out = log.read_text()
-        assert code == 0 and len(metrics_of(out)) == 4 and "done: 4 steps" in out, out[-3000:]
+        learner.send_signal(signal.SIGCONT)
+        # step logged + 1 may hold records popped before the restart; step logged + 2 was popped from the new Redis
+        wait_for(log, f"step {logged + 2}:", learner, timeout=300)
         client = redis.Redis(port=port)
         pushed = int(client.get(key + ":pushed") or 0)  # the new server's counter: records pushed since the restart
-        assert pushed > client.llen(key), (before, pushed, client.llen(key), log_tail(tmp_path / "actor.log"))
+        assert pushed > client.llen(key), (logged, pushed, client.llen(key), log_tail(tmp_path / "actor.log"))
+        learner.send_signal(signal.SIGTERM)
+        code = learner.wait(timeout=120)
+        out = log.read_text()
+        assert code == 128 + signal.SIGTERM and "stopped by SIGTERM after step" in out, out[-3000:]
         assert actor.poll() is None, log_tail(tmp_path / "actor.log")  # the actor carries on
     finally:
         if actor is not None:
