@@ -466,15 +466,15 @@ def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
     return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, masked, trained, fed)
 
 
-def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check):
+def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check, bf16):
     """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
     the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
-    Returns the step's statistics and the pass that went bad (a non-finite loss or gradient: that pass's update is
-    not applied), 0 if none did."""
+    `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the step's statistics and the
+    pass that went bad (a non-finite loss or gradient: that pass's update is not applied), 0 if none did."""
     import torch
 
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
     divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
@@ -653,7 +653,7 @@ def main() -> None:
     test_prompts = [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in test]
     test_golds = [gold for _, gold in test]
 
-    # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
+    # model (fp32 master weights; bf16 autocast: see `bf16` below), optimizer, optional frozen reference, resume
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     model, lora = load_policy(args, url, device, load_from)  # LoRA: a frozen base and the adapter trained
     check_logits(model.config)  # token_logprobs's lm_head shortcut must compute the model's own logits
@@ -682,12 +682,13 @@ def main() -> None:
     else:
         with lora_merged(lora):  # LoRA: the base weights are the policy while they are pushed
             push(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
-    # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
     served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     longest = max(len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train + test)
     check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], trainer_dtype])
+    # update_policy's bf16 autocast: on a GPU, and on a CPU beside a server that samples in bf16 (fast where the CPU
+    # has bf16 instructions); the sampler's policy check: the limit for the dtypes both ends compute in
+    bf16 = device.type == "cuda" or served["dtype"] == "bfloat16"
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], "bfloat16" if bf16 else "float32"])
     transport = "adapter" if adapter is not None else args.sync_transport
     current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
 
@@ -750,7 +751,7 @@ def main() -> None:
                 check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport=transport
             )
         stats, bad_pass = update_policy(
-            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
+            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check, bf16
         )
         updated = bad_pass != 1  # a later pass that went bad keeps the updates of the passes before it
         if bad_pass:
@@ -775,7 +776,7 @@ def main() -> None:
             wake_vllm(url, device, asleep_bytes)
         if args.verify_sync and adapter is not None and current:  # no checksums of an adapter: logprobs
             probe_prompt = prompt_ids(tokenizer, args.system_prompt, problems[0][0])
-            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id)
+            probe = verify_adapter(url, model, probe_prompt, version, args, tokenizer.pad_token_id, bf16)
             check_logprob_mismatch(probe, limit, step, version, "adapter")
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
@@ -1626,7 +1627,7 @@ def push_policy(url: str, sync: Optional[dict], push, model, lora, adapter: Opti
     return seconds
 
 
-def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args, pad_id: int) -> float:
+def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args, pad_id: int, bf16: bool) -> float:
     """--verify-sync with --lora-sync adapter. vLLM holds an adapter in its own layout (stacked, padded to its
     --max-lora-rank), so no checksum compares it with the trainer's; its logprobs do. Sample 4 short completions of
     `prompt` with the adapter just loaded and return the mean |trainer logprob - server logprob| per token, the figure
@@ -1649,7 +1650,7 @@ def verify_adapter(url: str, model, prompt: list[int], version: int, args: Args,
     device = next(model.parameters()).device
     seqs = [prompt + c["token_ids"] for c in completions]
     ids, attn, mask, at = micro_batch(seqs, [len(prompt)] * len(seqs), list(range(len(seqs))), pad_id, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # as training
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # as training
     with torch.no_grad(), autocast:
         ours, _ = token_logprobs(model, ids, attn, at, args.train_temperature)  # [N]
     theirs = torch.tensor([lp for c in completions for lp in c["logprobs"]], device=device)  # [N]

@@ -464,15 +464,15 @@ def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
     return Batch(seqs, n_prompt, n_comp, actions, hit_limit, cut, zero_std, masked, trained, fed)
 
 
-def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check):
+def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check, bf16):
     """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
     the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
-    Returns the step's statistics and the pass that went bad (a non-finite loss or gradient: that pass's update is
-    not applied), 0 if none did."""
+    `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the step's statistics and the
+    pass that went bad (a non-finite loss or gradient: that pass's update is not applied), 0 if none did."""
     import torch
 
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
     divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
@@ -773,7 +773,7 @@ def main() -> None:
     test_golds = [gold for _, gold in test]
     tool = start_tool(args, tokenizer, sandbox)
 
-    # model (fp32 master weights; bf16 autocast on GPU), optimizer, optional frozen reference, resume
+    # model (fp32 master weights; bf16 autocast: see `bf16` below), optimizer, optional frozen reference, resume
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
     check_logits(model.config)  # token_logprobs's lm_head shortcut must compute the model's own logits
@@ -794,12 +794,13 @@ def main() -> None:
     wandb_id = start_wandb(args, counters["wandb_id"]) if "wandb" in loggers else None  # --resume: the same W&B run
     sync = init_weight_sync(url, device, args.sync_host)  # over a group this trainer hosts (NCCL on GPU, gloo on CPU)
     push_weights(sync, model, version)  # the server may hold other weights (its start model, an earlier run)
-    # the sampler's policy check: the limit for the dtypes both ends compute in (the trainer's autocast on GPU)
     served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     longest = max(len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train + test)
     check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"  # (update_policy's autocast)
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], trainer_dtype])
+    # update_policy's bf16 autocast: on a GPU, and on a CPU beside a server that samples in bf16 (fast where the CPU
+    # has bf16 instructions); the sampler's policy check: the limit for the dtypes both ends compute in
+    bf16 = device.type == "cuda" or served["dtype"] == "bfloat16"
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], "bfloat16" if bf16 else "float32"])
     current = True  # the trainer holds the weights of its last push (`version`): what the server samples next is fresh
 
     if args.eval_before_start and step == 0:
@@ -857,7 +858,7 @@ def main() -> None:
                 check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
             )
         stats, bad_pass = update_policy(
-            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check
+            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check, bf16
         )
         updated = bad_pass != 1  # a later pass that went bad keeps the updates of the passes before it
         if bad_pass:

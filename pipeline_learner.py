@@ -332,15 +332,15 @@ def make_batch(records: list[dict], args: Args) -> Batch:
     return Batch(seqs, n_prompt, n_comp, hit_limit, cut, zero_std, masked, fed)
 
 
-def update_policy(model, optimizer, batch: Batch, records: list[dict], args: Args, pad_id: int, version: int, check):
+def update_policy(model, optimizer, batch: Batch, records, args: Args, pad_id: int, version: int, check, bf16):
     """One optimizer step over all micro-batches of the records fed. The logprob mismatch is measured on the tokens
     sampled by `version`, the weights this learner holds; `check(mismatch)` runs on it before the update (None: those
-    weights are not the servers'). Returns the step's statistics and whether the weights were updated (not after a
-    non-finite loss or gradient)."""
+    weights are not the servers'). `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the
+    step's statistics and whether the weights were updated (not after a non-finite loss or gradient)."""
     import torch
 
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     advantages = torch.tensor([rec["advantage"] for rec in records], dtype=torch.float32)  # [B]
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
@@ -422,7 +422,7 @@ def main() -> None:
     with_retries("PING", where, r.ping)
     loggers = set(args.logger.split(","))
 
-    # model (fp32 master weights; bf16 autocast on GPU), optimizer, resume
+    # model (fp32 master weights; bf16 autocast: see `bf16` below), optimizer, resume
     load_from = os.path.join(args.checkpoint_dir, f"step_{ckpts[-1]}") if ckpts else args.model
     tokenizer = AutoTokenizer.from_pretrained(load_from)
     model = load_model(load_from, device, args.activation_checkpointing)
@@ -445,9 +445,10 @@ def main() -> None:
     if args.verify_sync:
         verify_weights(sync, model)
     print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
-    # the sampler's policy check: the limit for the dtypes both ends compute in (our autocast on GPU)
-    trainer_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], trainer_dtype])
+    # update_policy's bf16 autocast: on a GPU, and on a CPU beside servers that sample in bf16 (fast where the CPU
+    # has bf16 instructions); the sampler's policy check: the limit for the dtypes both ends compute in
+    bf16 = device.type == "cuda" or sync["dtype"] == "bfloat16"
+    limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], "bfloat16" if bf16 else "float32"])
     current = True  # the learner holds the weights of its last push (`version`): records of that version are fresh
 
     start_time = time.time()
@@ -472,7 +473,7 @@ def main() -> None:
                 check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
             )
         stats, updated = update_policy(
-            model, optimizer, batch, records, args, tokenizer.pad_token_id or 0, version, check
+            model, optimizer, batch, records, args, tokenizer.pad_token_id or 0, version, check, bf16
         )
         if not updated:  # no update (the push below still marks the step)
             print(f"WARNING: non-finite loss or gradient at step {step + 1}: update skipped", flush=True)

@@ -651,7 +651,9 @@ def test_micro_batches_add_up_to_the_step(tiny_model, loss_type):
         # the float noise of near-zero gradients), and large enough that the second pass's ratios meet the clip
         advantages = G.group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
         batch = G.make_batch(samples, rewards, advantages, args)
-        stats[budget], bad_pass = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
+        stats[budget], bad_pass = G.update_policy(
+            model, None, optimizer, batch, samples, advantages, args, 0, None, False
+        )
         assert bad_pass == 0
         after[budget] = dict(model.named_parameters())
     g_small = stats[48]["grad_norm"]
@@ -662,6 +664,30 @@ def test_micro_batches_add_up_to_the_step(tiny_model, loss_type):
     diff = max((after[48][k] - after[100000][k]).abs().max().item() for k in before)
     moved = max((after[48][k] - before[k]).abs().max().item() for k in before)
     assert diff < 1e-4 * moved, (diff, moved)
+
+
+def test_bf16_autocast_on_cpu(tiny_model):
+    """update_policy's `bf16` (main's choice beside a bf16 server, on a CPU too): the forward runs in bfloat16, so the
+    step's logprobs and gradient move by bf16's rounding, a little and not 0, while the master weights, the gradient
+    and the optimizer's state stay float32."""
+    import tyro
+    from transformers import AutoModelForCausalLM
+
+    samples, rewards = synthetic_step(vocab_size=384, prompts=4, group=4)
+    args = tyro.cli(G.Args, args=["--group-size", "4", "--max-completion-tokens", "12"])
+    advantages = G.group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+    batch = G.make_batch(samples, rewards, advantages, args)
+    stats = {}
+    for bf16 in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stats[bf16], bad_pass = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None, bf16)
+        assert bad_pass == 0
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+    for key in ("grad_norm", "mismatch_sum"):
+        fp32, bf16 = stats[False][key], stats[True][key]
+        assert 0 < abs(bf16 - fp32) < 0.05 * abs(fp32), (key, fp32, bf16)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
@@ -689,7 +715,7 @@ def test_samples_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, l
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         stats[name], bad_pass = G.update_policy(
-            model, None, optimizer, batch._replace(fed=fed), samples, advantages, args, 0, None
+            model, None, optimizer, batch._replace(fed=fed), samples, advantages, args, 0, None, False
         )
         assert bad_pass == 0
         after[name] = dict(model.named_parameters())
@@ -723,7 +749,7 @@ def test_a_step_that_feeds_nothing_is_the_step_that_feeds_zeros(tiny_model):
                 if name == "no step":
                     break
                 batch = batch if name == "skipped" else batch._replace(fed=list(range(len(samples))))
-            G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
+            G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None, False)
         weights[name] = {k: v.detach().clone() for k, v in model.named_parameters()}
     diff = max((weights["skipped"][k] - weights["all fed"][k]).abs().max().item() for k in weights["all fed"])
     moved = max((weights["all fed"][k] - weights["no step"][k]).abs().max().item() for k in weights["all fed"])

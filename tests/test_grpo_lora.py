@@ -598,14 +598,14 @@ def test_verify_sync_of_an_adapter_compares_logprobs(toy, lora_server, tmp_path)
     model, peft_model = lora_model(toy.model, seed=0)
     args = tyro.cli(G.Args, args=["--max-completion-tokens", "16"])
     G.push_adapter(lora_server, peft_model, 11, str(tmp_path))
-    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0) < 1e-5
+    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0, bf16=False) < 1e-5
     with torch.no_grad():  # adapter weights the server does not hold
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
-    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0) > 1e-2
+    assert G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 11, args, pad_id=0, bf16=False) > 1e-2
     with pytest.raises(RuntimeError, match="not the version 12 just pushed"):
-        G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 12, args, pad_id=0)
+        G.verify_adapter(lora_server, model, GAP_PROMPTS[1], 12, args, pad_id=0, bf16=False)
 
 
 def test_an_adapter_changed_behind_the_trainer_stops_the_run(lora_server, toy_model, tmp_path):

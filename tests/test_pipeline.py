@@ -313,7 +313,9 @@ def test_records_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, l
     for name, fed in (("skipped", batch.fed), ("all fed", list(range(len(records))))):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        stats[name], updated = L.update_policy(model, optimizer, batch._replace(fed=fed), records, args, 0, 0, None)
+        stats[name], updated = L.update_policy(
+            model, optimizer, batch._replace(fed=fed), records, args, 0, 0, None, False
+        )
         assert updated
         after[name] = dict(model.named_parameters())
     g_skip, g_all = stats["skipped"]["grad_norm"], stats["all fed"]["grad_norm"]
@@ -331,8 +333,10 @@ def test_records_without_a_gradient_are_not_fed_and_change_nothing(tiny_model, l
     for name, fed in (("skipped", []), ("all fed", list(range(len(records))))):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        L.update_policy(model, optimizer, batch, records, args, 0, 0, None)
-        stats[name], updated = L.update_policy(model, optimizer, empty._replace(fed=fed), zeros, args, 0, 0, None)
+        L.update_policy(model, optimizer, batch, records, args, 0, 0, None, False)
+        stats[name], updated = L.update_policy(
+            model, optimizer, empty._replace(fed=fed), zeros, args, 0, 0, None, False
+        )
         assert updated and stats[name]["grad_norm"] == 0.0 and stats[name]["loss"] == 0.0
         assert {int(s["step"]) for s in optimizer.state_dict()["state"].values()} == {2}
         after[name] = dict(model.named_parameters())

@@ -333,6 +333,7 @@ def test_the_tools_tokens_are_context_not_actions(tiny_model, loss_type):
             args,
             0,
             None,
+            False,
         )
         assert bad == 0
         runs.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -436,7 +437,7 @@ def test_a_multi_turn_samples_ids_and_logprobs(tool_server, tool_model):
     advantages = T.group_advantages(rewards, len(called))
     batch = T.make_batch(called, rewards, advantages, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    stats, _ = T.update_policy(model, None, optimizer, batch, called, advantages, args, tok.pad_token_id, None)
+    stats, _ = T.update_policy(model, None, optimizer, batch, called, advantages, args, tok.pad_token_id, None, False)
     mismatch = stats["mismatch_sum"] / stats["tokens_fed"]
     assert stats["tokens_fed"] == sum(sum(s.completion["actions"]) for s in called)
     assert mismatch <= 1e-4, mismatch

@@ -97,7 +97,7 @@ def test_a_bad_later_pass_is_logged_as_what_it_is(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e38)
-    _, bad_pass = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None)
+    _, bad_pass = G.update_policy(model, None, optimizer, batch, samples, advantages, args, 0, None, False)
     assert bad_pass == 2
     assert any(not torch.equal(before[k], v) for k, v in model.named_parameters())  # pass 1 was applied
     said = G.bad_pass_warning(7, bad_pass, 2, skipped=0)
