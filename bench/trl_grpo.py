@@ -1,14 +1,16 @@
 """Benchmark: grpo_gsm8k.py side by side with TRL's GRPOTrainer on the same work, on the CPU, in one run.
 
-The same model (SmolLM2-135M-Instruct, float32: tests/real_model.py), task (bench/arithmetic.py's: one-digit sums and
-products, tests/fixtures/arithmetic_one_digit_gsm8k, 96 training problems and 32 held out, the chat template with its
-own system message), reward (grpo_gsm8k.grade), batch (--rollouts prompts x --group completions a step, one optimizer
-step per batch), completion tokens, temperature, learning rate (constant, AdamW without weight decay, gradient norm
-clipped at 1), loss (GRPO: per-sequence means, clip 0.2, no KL, rewards scaled by the group's std), no activation
-checkpointing, and the held-out evaluation (greedy, all 32 problems, graded alike) before training and after every
-step. What differs is the machinery: grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here
-first and counted in its time) and pushes the weights after each step; TRL 1.16 samples in-process with transformers'
-generate, and its held-out answers come from transformers' generate too (a callback of this file's).
+The same model (SmolLM2-135M-Instruct: tests/real_model.py), precision (fp32 master weights, the forward and the
+sampling in --dtype), task (bench/arithmetic.py's: one-digit sums and products,
+tests/fixtures/arithmetic_one_digit_gsm8k, 96 training problems and 32 held out, the chat template with its own system
+message), reward (grpo_gsm8k.grade), batch (--rollouts prompts x --group completions a step, one optimizer step per
+batch), completion tokens, temperature, learning rate (constant, AdamW without weight decay, gradient norm clipped at
+1), loss (GRPO: per-sequence means, clip 0.2, no KL, rewards scaled by the group's std), no activation checkpointing,
+and the held-out evaluation (greedy, all 32 problems, graded alike) before training and after every step. What
+differs is the machinery: grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here first and
+counted in its time) and pushes the weights after each step; TRL 1.16 samples in-process with transformers' generate,
+and its held-out answers come from transformers' generate too (a callback of this file's; in bf16, under the autocast
+that accelerate wraps the model's forward in, as TRL samples).
 
 TRL is not a dependency of this project: the benchmark installs trl==1.16.0 and accelerate==1.15.0 without their
 dependencies (the project's venv has them) into ~/.cache/cleanrlvr/trl-1.16.0 and runs TRL's side in a child process
@@ -17,7 +19,7 @@ Printed: the training reward and the held-out accuracy per step for both, the me
 time to the first held-out accuracy of --threshold or more (the start before the first step, then the steps up to that
 evaluation; the evaluations themselves are not counted), and the ratios.
 Run: python bench/trl_grpo.py [--steps 10] [--rollouts 8] [--group 8] [--tokens 48] [--temperature 0.6] [--lr 1e-5]
-     [--threshold 0.6]
+     [--threshold 0.6] [--dtype bfloat16]
 """
 
 import argparse
@@ -41,8 +43,6 @@ DATASET = os.path.join(ROOT, "tests", "fixtures", "arithmetic_one_digit_gsm8k") 
 TRL_DIR = os.path.expanduser("~/.cache/cleanrlvr/trl-1.16.0")
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
 SERVER_FLAGS = (
-    "--dtype",
-    "float32",
     "--enforce-eager",
     "--kv-cache-memory-bytes",
     str(256 << 20),
@@ -75,13 +75,14 @@ def timed_lines(cmd: list, env=None, cwd=None):
 # ours: the server, then the unchanged script
 
 
-def start_server(model: str, port: int, log_path: str, all_cores: bool) -> subprocess.Popen:
+def start_server(model: str, port: int, log_path: str, all_cores: bool, dtype: str) -> subprocess.Popen:
     """vllm_sync_server.py of `model`, in its own process group, once /health answers (at most 10 minutes). all_cores:
     its OpenMP threads on every core, none kept for its scheduler, as grpo_gsm8k.py --start-server starts it on a CPU;
     else vLLM's default (one core kept)."""
     import requests
 
     cmd = [PY, os.path.join(ROOT, "vllm_sync_server.py"), "--model", model, "--port", str(port), *SERVER_FLAGS]
+    cmd += ["--dtype", dtype]  # grpo_gsm8k.py's update computes in the server's dtype (bf16 autocast beside bf16)
     env = dict(os.environ)
     if all_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -105,7 +106,8 @@ def start_server(model: str, port: int, log_path: str, all_cores: bool) -> subpr
 def run_ours(model: str, args, workdir: str, all_cores: bool = True) -> dict:
     t0 = time.time()
     port = free_port()
-    server = start_server(model, port, os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log"), all_cores)
+    log = os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log")
+    server = start_server(model, port, log, all_cores, args.dtype)
     server_s = time.time() - t0
     cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
     cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
@@ -150,6 +152,7 @@ def run_trl(model: str, args, workdir: str) -> dict:
     cmd = [PY, os.path.abspath(__file__), "--trl-child", "--model", model, "--steps", str(args.steps)]
     cmd += ["--rollouts", str(args.rollouts), "--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += ["--temperature", str(args.temperature), "--lr", str(args.lr), "--seed", str(args.seed)]
+    cmd += ["--dtype", args.dtype]
     steps = []
     held_out = {}
     first = None
@@ -236,7 +239,7 @@ def trl_child(args) -> None:
         scale_rewards="group",
         gradient_checkpointing=False,
         use_cpu=True,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",  # accelerate's autocast over the fp32 model, as grpo_gsm8k.py's
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -282,6 +285,12 @@ def main():
     parser.add_argument("--threshold", type=float, default=0.6, help="the held-out accuracy whose first step is timed")
     parser.add_argument("--model", default=None, help="(the real model of tests/real_model.py)")
     parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="what both compute in: the server's dtype and grpo_gsm8k.py's autocast, TRL's bf16; the weights stay fp32",
+    )
+    parser.add_argument(
         "--server-cores",
         choices=["all", "both"],
         default="both",
@@ -310,7 +319,7 @@ def main():
     print(
         f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens at T {args.temperature}, ", end=""
     )
-    print(f"lr {args.lr}, {args.steps} steps, seed {args.seed}")
+    print(f"lr {args.lr}, {args.steps} steps, seed {args.seed}, {args.dtype}")
     results = {name: summary(name, run, args.threshold) for name, run in runs.items()}
     target = f"to {100 * args.threshold:.0f}% held out"
     print(f"\n{'':<18}{'s/step':>8}{target:>26}{'held out at the end':>21}")
