@@ -685,8 +685,7 @@ def main() -> None:
     served = requests.get(url + "/runtime_version", timeout=30, headers=auth_headers()).json()
     longest = max(len(prompt_ids(tokenizer, args.system_prompt, prompt)) for prompt, _ in train + test)
     check_lengths(longest, args.max_completion_tokens, served["max_model_len"])
-    # update_policy's bf16 autocast: on a GPU, and on a CPU beside a server that samples in bf16 (fast where the CPU
-    # has bf16 instructions); the sampler's policy check: the limit for the dtypes both ends compute in
+    # update_policy's bf16 autocast: on a GPU, and on a CPU beside a bf16 server; the mismatch limit: both ends' dtypes
     bf16 = device.type == "cuda" or served["dtype"] == "bfloat16"
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [served["dtype"], "bfloat16" if bf16 else "float32"])
     transport = "adapter" if adapter is not None else args.sync_transport

@@ -445,8 +445,7 @@ def main() -> None:
     if args.verify_sync:
         verify_weights(sync, model)
     print(f"pushed the weights of {load_from} to {len(args.vllm_urls)} server(s) as version {version}", flush=True)
-    # update_policy's bf16 autocast: on a GPU, and on a CPU beside servers that sample in bf16 (fast where the CPU
-    # has bf16 instructions); the sampler's policy check: the limit for the dtypes both ends compute in
+    # update_policy's bf16 autocast: on a GPU, and on a CPU beside bf16 servers; the mismatch limit: both ends' dtypes
     bf16 = device.type == "cuda" or sync["dtype"] == "bfloat16"
     limit = logprob_mismatch_limit(args.max_logprob_mismatch, [sync["dtype"], "bfloat16" if bf16 else "float32"])
     current = True  # the learner holds the weights of its last push (`version`): records of that version are fresh
