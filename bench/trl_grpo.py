@@ -9,8 +9,8 @@ batch), completion tokens, temperature, learning rate (constant, AdamW without w
 and the held-out evaluation (greedy, all 32 problems, graded alike) before training and after every step. What
 differs is the machinery: grpo_gsm8k.py samples with vllm_sync_server.py (vLLM on the CPU, started here first and
 counted in its time) and pushes the weights after each step; TRL 1.16 samples in-process with transformers' generate,
-and its held-out answers come from transformers' generate too (a callback of this file's; in bf16, under the autocast
-that accelerate wraps the model's forward in, as TRL samples).
+and its held-out answers come from transformers' generate too (a callback of this file's; in bf16 after step 0, under
+the autocast that accelerate wraps the model's forward in as training starts, as TRL samples).
 
 TRL is not a dependency of this project: the benchmark installs trl==1.16.0 and accelerate==1.15.0 without their
 dependencies (the project's venv has them) into ~/.cache/cleanrlvr/trl-1.16.0 and runs TRL's side in a child process
