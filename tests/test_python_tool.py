@@ -464,10 +464,13 @@ def script_cmd(url, *extra, model, dataset="gsm8k_toy") -> list:
 
 
 def test_two_steps_with_the_tool_on_the_tiny_model(tool_server, tool_model, tmp_path):
-    """2 steps: every tool metric logged (calls made, some failing, some timing out), the trainer's logprobs equal the
-    sampler's over turns, the rollout log holds every turn, the evaluation runs with the tool."""
+    """2 steps: every tool metric logged (calls made, second turns, the shares of failed and timed-out calls that the
+    rollout log's replies show), the trainer's logprobs equal the sampler's over turns, the rollout log holds every
+    turn, the evaluation runs with the tool."""
     extra = ["--train-steps", "2", "--rollouts-per-update", "8", "--group-size", "8", "--learning-rate", "3e-3"]
-    extra += ["--max-completion-tokens", "48", "--system-prompt", "", "--keep-eval-overlap", "--eval-every", "2"]
+    # 96 tokens: a call in a sample's first 53 gets a second turn whatever the load (a time-out's reply is 42 tokens,
+    # and under load a 0.5 s limit can stop `print(3 + 4)` too); about a third of the samples have one
+    extra += ["--max-completion-tokens", "96", "--system-prompt", "", "--keep-eval-overlap", "--eval-every", "2"]
     extra += ["--eval-limit", "8", "--tool-timeout-s", "0.5", "--max-tool-calls", "2"]
     r = run_ok(script_cmd(tool_server, *extra, model=tool_model), cwd=tmp_path, timeout=600)
     assert "python tool in bubblewrap" in r.stdout and "NOT HELD" not in r.stdout
@@ -480,9 +483,18 @@ def test_two_steps_with_the_tool_on_the_tiny_model(tool_server, tool_model, tmp_
         for key in ("tool_error_rate", "tool_timeout_rate", "tool_share_of_correct"):
             assert key in x
     assert "eval/tool_use_rate" in m[1]
-    assert sum(float(x["tool_error_rate"]) for x in m) > 0 and sum(float(x["tool_timeout_rate"]) for x in m) > 0
     rollouts = read_jsonl(tmp_path / "gsm8k_train_rollouts.jsonl")
     assert len(rollouts) == 2 * 64
+    timed_out = 0  # `while True` always runs out of time; whether `1 / 0` errors or times out depends on the load
+    for step, x in enumerate(m, start=1):  # each call's status: its reply's last line, in the rollout log
+        rows = [row for row in rollouts if row["step"] == step]
+        last = [t["text"].rstrip("\n").rsplit("\n", 1)[-1] for row in rows for t in row["turns"] if t["role"] == "tool"]
+        errors = sum(line.startswith("[exit status") for line in last)
+        timeouts = sum(line.startswith("[stopped: over the time limit") for line in last)
+        assert float(x["tool_error_rate"]) == pytest.approx(errors / len(last), abs=1e-3), x
+        assert float(x["tool_timeout_rate"]) == pytest.approx(timeouts / len(last), abs=1e-3), x
+        timed_out += timeouts
+    assert timed_out > 0
     called = [row for row in rollouts if any(turn["role"] == "tool" for turn in row["turns"])]
     assert called and all("```output\n" in row["completion"] for row in called)
     row = called[0]
