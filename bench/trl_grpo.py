@@ -1,4 +1,4 @@
-"""Benchmark: grpo_gsm8k.py side by side with TRL's GRPOTrainer on the same work, on the CPU, in one run.
+"""Benchmark: grpo_gsm8k.py side by side with TRL's GRPOTrainer on the same work, on the CPU, in one run, paired seeds.
 
 The same model (SmolLM2-135M-Instruct: tests/real_model.py), precision (fp32 master weights, the forward and the
 sampling in --dtype), task (bench/arithmetic.py's: one-digit sums and products,
@@ -12,21 +12,33 @@ counted in its time) and pushes the weights after each step; TRL 1.16 samples in
 and its held-out answers come from transformers' generate too (a callback of this file's; in bf16 after step 0, under
 the autocast that accelerate wraps the model's forward in as training starts, as TRL samples).
 
+Paired seeds: for each --seeds value both sides run, and TRL gets the data order grpo_gsm8k.py draws with that --seed
+(the same permutation of the training problems, consumed in order: shuffle_dataset=False), so a seed compares the
+trainers, not two data orders. Each side's sampling follows the seed too (ours through rollout_seed, TRL through
+torch's generator). Ours runs the recipe docs/grpo_gsm8k.md recommends for a weak model (--ours-flags, default
+--dynamic-sampling); with dynamic sampling it may draw more prompts a step than TRL, in the same order, and pays for
+them in its seconds.
+
 TRL is not a dependency of this project: the benchmark installs trl==1.16.0 and accelerate==1.15.0 without their
 dependencies (the project's venv has them) into ~/.cache/cleanrlvr/trl-1.16.0 and runs TRL's side in a child process
 with that folder on PYTHONPATH; the project's venv is left as it was.
 Printed: the training reward and the held-out accuracy per step for both, the median seconds a step (steps 2..), the
 time to the first held-out accuracy of --threshold or more (the start before the first step, then the steps up to that
 evaluation; the evaluations themselves are not counted), and the ratios.
-Run: python bench/trl_grpo.py [--steps 10] [--rollouts 8] [--group 8] [--tokens 48] [--temperature 0.6] [--lr 1e-5]
-     [--threshold 0.6] [--dtype bfloat16]
+--json FILE writes {"runs": [{"side": "ours" | "trl", "seed", "held_out": [before training, after step 1, ...],
+"rewards": [...], "step_s": median seconds a step, "time_to_threshold_s": seconds or null}, ...], "settings": {...}}.
+Run: python bench/trl_grpo.py [--seeds 1 2 3] [--steps 10] [--rollouts 8] [--group 8] [--tokens 48]
+     [--temperature 0.6] [--lr 1e-5] [--threshold 0.6] [--dtype bfloat16] [--dataset DIR] [--json FILE]
+     [--sides ours trl] [--ours-flags="--dynamic-sampling"]
 """
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -40,6 +52,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 DATASET = os.path.join(ROOT, "tests", "fixtures", "arithmetic_one_digit_gsm8k")  # train.jsonl, test.jsonl (held out)
+RECIPE = "--dynamic-sampling"  # docs/grpo_gsm8k.md's recipe for a weak model: ours runs it unless --ours-flags says
 TRL_DIR = os.path.expanduser("~/.cache/cleanrlvr/trl-1.16.0")
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
 SERVER_FLAGS = (
@@ -103,13 +116,30 @@ def start_server(model: str, port: int, log_path: str, all_cores: bool, dtype: s
     sys.exit(f"the server did not answer /health within 10 minutes: see {log_path}")
 
 
+def load_grpo():
+    """grpo_gsm8k.py as a module: its TASK (to_problem, grade) and its data order (problem_index), both sides use."""
+    spec = importlib.util.spec_from_file_location("grpo_gsm8k", os.path.join(ROOT, "grpo_gsm8k.py"))
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    return grpo
+
+
+def training_order(dataset: str, seed: int, prompts: int) -> list[tuple[str, str]]:
+    """The first `prompts` (prompt, gold) problems grpo_gsm8k.py --seed `seed` draws from `dataset`: its training
+    problems less the test split's (load_problems), in the order of its problem_index, epoch after epoch."""
+    grpo = load_grpo()
+    train, _ = grpo.drop_eval_overlap(grpo.load_split(dataset, "train"), grpo.load_split(dataset, "test"))
+    return [train[grpo.problem_index(seed, k, len(train))] for k in range(prompts)]
+
+
 def run_ours(model: str, args, workdir: str, all_cores: bool = True) -> dict:
     t0 = time.time()
     port = free_port()
     log = os.path.join(tempfile.gettempdir(), "bench_trl_grpo_server.log")
     server = start_server(model, port, log, all_cores, args.dtype)
     server_s = time.time() - t0
-    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", DATASET, "--vllm-port", str(port)]
+    cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", model, "--dataset", args.dataset]
+    cmd += ["--vllm-port", str(port), *shlex.split(args.ours_flags)]
     cmd += ["--train-steps", str(args.steps), "--rollouts-per-update", str(args.rollouts), "--group-size"]
     cmd += [str(args.group), "--max-completion-tokens", str(args.tokens), "--learning-rate", str(args.lr)]
     cmd += ["--train-temperature", str(args.temperature), "--seed", str(args.seed), "--system-prompt", ""]
@@ -152,7 +182,7 @@ def run_trl(model: str, args, workdir: str) -> dict:
     cmd = [PY, os.path.abspath(__file__), "--trl-child", "--model", model, "--steps", str(args.steps)]
     cmd += ["--rollouts", str(args.rollouts), "--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += ["--temperature", str(args.temperature), "--lr", str(args.lr), "--seed", str(args.seed)]
-    cmd += ["--dtype", args.dtype]
+    cmd += ["--dtype", args.dtype, "--dataset", args.dataset]
     steps = []
     held_out = {}
     first = None
@@ -174,19 +204,15 @@ def trl_child(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    spec = importlib.util.spec_from_file_location("grpo_gsm8k", os.path.join(ROOT, "grpo_gsm8k.py"))
-    grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grpo)  # its grade(), the reward both runs use
+    grpo = load_grpo()  # its to_problem and grade(), the problems and the reward both runs use
 
-    def rows_of(split: str) -> list[dict]:
-        with open(os.path.join(DATASET, f"{split}.jsonl")) as f:
-            return [json.loads(line) for line in f]
+    def chat(prompt: str) -> list[dict]:
+        return [{"role": "user", "content": prompt}]
 
-    def chat(row: dict) -> list[dict]:
-        return [{"role": "user", "content": row["question"]}]
-
-    data = Dataset.from_list([{"prompt": chat(r), "gold": r["answer"]} for r in rows_of("train")])
-    test = rows_of("test")
+    # ours' data order for this seed, one prompt after the other (shuffle_dataset=False below)
+    order = training_order(args.dataset, args.seed, args.steps * args.rollouts)
+    data = Dataset.from_list([{"prompt": chat(prompt), "gold": gold} for prompt, gold in order])
+    test = grpo.load_split(args.dataset, "test")
 
     def reward(completions, gold, **_):
         return [grpo.grade(c[0]["content"], g).reward for c, g in zip(completions, gold, strict=True)]
@@ -197,7 +223,7 @@ def trl_child(args) -> None:
     @torch.no_grad()
     def held_out_accuracy() -> float:
         """Greedy answers to every held-out problem in one left-padded batch, graded as in training."""
-        texts = [tokenizer.apply_chat_template(chat(r), tokenize=False, add_generation_prompt=True) for r in test]
+        texts = [tokenizer.apply_chat_template(chat(p), tokenize=False, add_generation_prompt=True) for p, _ in test]
         tokenizer.padding_side = "left"
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         was_training = model.training
@@ -205,7 +231,7 @@ def trl_child(args) -> None:
         out = model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         model.train(was_training)
         answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        return sum(grpo.grade(a, r["answer"]).correct for a, r in zip(answers, test, strict=True)) / len(test)
+        return sum(grpo.grade(a, gold).correct for a, (_, gold) in zip(answers, test, strict=True)) / len(test)
 
     class StepLines(TrainerCallback):
         """A line per step: its reward and seconds (generation, loss, update; the evaluation after it not counted)."""
@@ -223,6 +249,7 @@ def trl_child(args) -> None:
         output_dir=tempfile.mkdtemp(prefix="trl-"),
         max_steps=args.steps,
         per_device_train_batch_size=args.rollouts * args.group,  # one batch of completions = one optimizer step
+        shuffle_dataset=False,  # the prompts in the order given: ours' for this seed
         num_generations=args.group,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
@@ -260,17 +287,52 @@ def trl_child(args) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def summary(name: str, run: dict, threshold: float) -> dict:
-    """The median seconds a step (the first step, with its warm-up, left out) and the time to the first held-out
-    accuracy at or above `threshold`: the start (launch to the evaluation before training, included) plus the steps up
-    to that evaluation."""
-    rewards = [s["reward"] for s in run["steps"]]
-    held_out = [run["held_out"][k] for k in sorted(run["held_out"])]
+def summary(side: str, seed: int, run: dict, threshold: float) -> dict:
+    """A run as --json records it: the held-out accuracy before training and after each step, the training rewards,
+    the median seconds a step (the first step, with its warm-up, left out) and the time to the first held-out accuracy
+    at or above `threshold`: the start (launch to the evaluation before training, included) plus the steps up to that
+    evaluation (None: not reached)."""
     later = [s["step_s"] for s in run["steps"][1:]] or [s["step_s"] for s in run["steps"]]
     step = next((k for k in sorted(run["held_out"]) if run["held_out"][k] >= threshold), None)
     reached = None if step is None else run["start_s"] + sum(s["step_s"] for s in run["steps"][:step])
-    print(f"{name}: rewards {[round(r, 2) for r in rewards]}, held out {[round(100 * a, 1) for a in held_out]}")
-    return {"step_s": statistics.median(later), "reached": reached, "step": step, "last": held_out[-1]}
+    return {
+        "side": side,
+        "seed": seed,
+        "held_out": [run["held_out"][k] for k in sorted(run["held_out"])],
+        "rewards": [s["reward"] for s in run["steps"]],
+        "step_s": statistics.median(later),
+        "time_to_threshold_s": reached,
+    }
+
+
+def report(runs: list[dict], args) -> None:
+    """Per seed, both sides; then per side the final held out's mean, min and max, the median seconds a step and the
+    median time to the threshold; then the ratios of ours to TRL's."""
+    target = f"to {100 * args.threshold:.0f}%"
+    print(
+        f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens at T {args.temperature}, ", end=""
+    )
+    print(f"lr {args.lr}, {args.steps} steps, {args.dtype}, ours with {args.ours_flags or 'no flags'!r}")
+    print(f"{'seed':>4} {'side':<5}{'s/step':>7}{target:>9}  held out per step (%)")
+    for r in runs:
+        reached = "-" if r["time_to_threshold_s"] is None else f"{r['time_to_threshold_s']:.0f} s"
+        held = " ".join(f"{100 * a:.0f}" for a in r["held_out"])
+        print(f"{r['seed']:>4} {r['side']:<5}{r['step_s']:>7.1f}{reached:>9}  {held}")
+    medians = {}
+    for side in args.sides:
+        mine = [r for r in runs if r["side"] == side]
+        final = [100 * r["held_out"][-1] for r in mine]
+        times = [r["time_to_threshold_s"] for r in mine]
+        reached = sorted(t if t is not None else math.inf for t in times)
+        medians[side] = (statistics.median(r["step_s"] for r in mine), statistics.median(reached))
+        print(
+            f"{side}: final held out mean {statistics.mean(final):.1f}%, min {min(final):.1f}%, max {max(final):.1f}% "
+            f"over {len(mine)} seeds; {sum(t is not None for t in times)} of {len(mine)} {target}; median s/step "
+            f"{medians[side][0]:.1f}, median time {target} {medians[side][1]:.0f} s"
+        )
+    if set(args.sides) == {"ours", "trl"}:
+        ratio = medians["ours"][1] / medians["trl"][1] if math.isfinite(medians["trl"][1]) else math.nan
+        print(f"ours / TRL: s/step {medians['ours'][0] / medians['trl'][0]:.2f}x, median time {target} {ratio:.2f}x")
 
 
 def main():
@@ -281,9 +343,19 @@ def main():
     parser.add_argument("--tokens", type=int, default=48, help="completion tokens at most")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of training")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate")
-    parser.add_argument("--seed", type=int, default=1, help="seed of both runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="the paired seeds: both sides run each")
+    parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)  # the TRL child's
+    parser.add_argument("--sides", nargs="+", choices=["ours", "trl"], default=["ours", "trl"], help="which to run")
     parser.add_argument("--threshold", type=float, default=0.6, help="the held-out accuracy whose first step is timed")
     parser.add_argument("--model", default=None, help="(the real model of tests/real_model.py)")
+    parser.add_argument("--dataset", default=DATASET, help="a folder with train.jsonl and test.jsonl (GSM8K's schema)")
+    parser.add_argument("--json", default=None, help="write every run's figures to this file")
+    parser.add_argument(
+        "--ours-flags",
+        default=RECIPE,
+        help=f"grpo_gsm8k.py's flags beyond the shared settings (default: the docs' recipe, {RECIPE!r}); write "
+        '--ours-flags="..." or --ours-flags "" for none',
+    )
     parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float32"],
@@ -292,10 +364,10 @@ def main():
     )
     parser.add_argument(
         "--server-cores",
-        choices=["all", "both"],
-        default="both",
-        help="all: grpo_gsm8k.py's server on every core (as its --start-server on a CPU); both: a second run of ours "
-        "with vLLM's default (a core kept for its scheduler), to compare its generate_s and update_s",
+        choices=["all", "default"],
+        default="all",
+        help="all: grpo_gsm8k.py's server on every core (as its --start-server on a CPU); default: vLLM's (a core kept "
+        "for its scheduler)",
     )
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -305,34 +377,21 @@ def main():
     from real_model import real_model_dir
 
     model = args.model or real_model_dir()
-    runs = {}
-    todo = [("grpo_gsm8k.py", run_ours), ("TRL GRPOTrainer", run_trl)]
-    if args.server_cores == "both":
-        todo.insert(1, ("ours, vLLM default", lambda *a: run_ours(*a, all_cores=False)))
-    for name, run in todo:
-        workdir = tempfile.mkdtemp(prefix="cleanrlvr-trl-bench-")
-        try:
-            runs[name] = run(model, args, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        print(f"{name}: {runs[name]}", flush=True)
-    print(
-        f"\n{args.rollouts} x {args.group} completions of up to {args.tokens} tokens at T {args.temperature}, ", end=""
-    )
-    print(f"lr {args.lr}, {args.steps} steps, seed {args.seed}, {args.dtype}")
-    results = {name: summary(name, run, args.threshold) for name, run in runs.items()}
-    target = f"to {100 * args.threshold:.0f}% held out"
-    print(f"\n{'':<18}{'s/step':>8}{target:>26}{'held out at the end':>21}")
-    for name, r in results.items():
-        reached = f"{r['reached']:.0f} s (step {r['step']})" if r["reached"] is not None else "not reached"
-        print(f"{name:<18}{r['step_s']:>8.1f}{reached:>26}{100 * r['last']:>20.1f}%")
-    ours, trl = results["grpo_gsm8k.py"], results["TRL GRPOTrainer"]
-    print(f"s/step, grpo_gsm8k.py / TRL: {ours['step_s'] / trl['step_s']:.2f}x")
-    for name in [n for n in runs if n != "TRL GRPOTrainer"]:  # where our step goes: sampling, and the update
-        medians = {k: statistics.median(s[k] for s in runs[name]["steps"][1:]) for k in ("generate_s", "update_s")}
-        print(f"{name}: median generate_s {medians['generate_s']:.1f}, update_s {medians['update_s']:.1f} (steps 2..)")
-    if ours["reached"] is not None and trl["reached"] is not None:
-        print(f"{target}, grpo_gsm8k.py / TRL: {ours['reached'] / trl['reached']:.2f}x")
+    runners = {"ours": lambda *a: run_ours(*a, all_cores=args.server_cores == "all"), "trl": run_trl}
+    runs = []
+    for seed in args.seeds:
+        for side in args.sides:
+            workdir = tempfile.mkdtemp(prefix="cleanrlvr-trl-bench-")
+            try:
+                run = runners[side](model, argparse.Namespace(**{**vars(args), "seed": seed}), workdir)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            runs.append(summary(side, seed, run, args.threshold))
+            print(f"seed {seed} {side}: {json.dumps(runs[-1])}", flush=True)
+            if args.json:  # after every run: a long benchmark cut short keeps what it measured
+                settings = {k: v for k, v in vars(args).items() if k not in ("trl_child", "seed", "json")}
+                Path(args.json).write_text(json.dumps({"settings": settings, "runs": runs}, indent=1) + "\n")
+    report(runs, args)
 
 
 if __name__ == "__main__":
