@@ -97,7 +97,7 @@ class Args:
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES)"""
     server_args: str = ""
-    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
+    """extra flags for the server started by --start-server (`--server-args "--dtype float32 ..."`)"""
     base_url: Optional[str] = None
     """evaluate any OpenAI-compatible server instead (`vllm serve`, another engine) through its chat completions, with
     the openai client: its base URL, /v1 included (e.g. http://127.0.0.1:8000/v1); the key is $VLLM_API_KEY"""
@@ -595,6 +595,8 @@ def start_vllm_server(args: Args, log_path: str):
     """Launch vllm_sync_server.py next to this file, wait for /health, stop it when this process exits."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": physical_gpu(args.vllm_gpu)}
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py")
+    if not os.path.isfile(server):  # a copy of this script outside the repository: the server file stays behind
+        refuse(f"--start-server needs vllm_sync_server.py beside this script: copy it to {server}")
     cmd = [sys.executable, server, "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port)]
     cmd += shlex.split(args.server_args)
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
@@ -668,16 +670,27 @@ def saved_args(path: str) -> dict:
     return {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in known}
 
 
+def command_line() -> list[str]:
+    """This process's arguments, `--server-args VALUE` glued into `--server-args=VALUE`: tyro would read a VALUE that
+    starts with a dash as flags of this script ("Missing value for argument '--server-args'")."""
+    argv = sys.argv[1:]
+    for i in reversed([i for i, arg in enumerate(argv[:-1]) if arg == "--server-args"]):
+        argv[i : i + 2] = [f"--server-args={argv[i + 1]}"]
+    return argv
+
+
 def parse_args() -> Args:
     """The command line. When --model is a checkpoint of a training script, the system prompt it trained with (saved
     in its args.json) is the default: the evaluation scores what the training scored, and --system-prompt given
     explicitly overrides it (tyro fills every flag not on the command line from `default`)."""
     import tyro
 
-    args = tyro.cli(Args, description=__doc__)
+    args = tyro.cli(Args, args=command_line(), description=__doc__)
     saved = saved_args(args.model) if os.path.isdir(args.model) else {}
     if "system_prompt" in saved:
-        args = tyro.cli(Args, description=__doc__, default=Args(system_prompt=saved["system_prompt"]))
+        args = tyro.cli(
+            Args, args=command_line(), description=__doc__, default=Args(system_prompt=saved["system_prompt"])
+        )
         how = "its own" if args.system_prompt == saved["system_prompt"] else "the one --system-prompt gives"
         print(f"{args.model} trained with system prompt {saved['system_prompt']!r}: evaluating with {how}", flush=True)
     return args

@@ -86,8 +86,8 @@ class Args:
     """gradient clipping"""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
     """the objective and its divisor (policy_loss, loss_divisor). Alone, each changes one thing of grpo: dapo divides
-    by the step's tokens, not its sequences (the paper adds --clip-eps-high 0.28 --mask-truncated-completions, and
-    dynamic sampling, not here); dr_grpo divides by a constant (the paper adds --no-scale-rewards); gspo clips a ratio
+    by the step's tokens, not its sequences (the paper adds --clip-eps-high 0.28 --mask-truncated-completions
+    --dynamic-sampling); dr_grpo divides by a constant (the paper adds --no-scale-rewards); gspo clips a ratio
     per sequence (the paper's range: --clip-eps-low 3e-4 --clip-eps-high 4e-4); cispo clips the ratio as REINFORCE's
     weight and divides by tokens (the paper: --clip-eps-low 1, no lower bound)"""
     scale_rewards: bool = True
@@ -117,6 +117,12 @@ class Args:
     mask_truncated_completions: bool = False
     """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
     reward still counts in the statistics"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a step draws rounds of --rollouts-per-update prompts until it holds that many groups
+    whose rewards differ (a group of equal rewards has no gradient), and trains on those"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling, the most rounds a step draws; after the last it trains on what it has, filled up with
+    groups of equal rewards"""
 
     # Generation
     train_temperature: float = 1.0
@@ -157,7 +163,7 @@ class Args:
     vllm_gpu: int = 0
     """GPU of the server with --start-server, among the visible ones (CUDA_VISIBLE_DEVICES); training uses the next"""
     server_args: str = "--dtype bfloat16"
-    """extra flags for the server started by --start-server (write --server-args="--dtype float32 ...")"""
+    """extra flags for the server started by --start-server (`--server-args "--dtype float32 ..."`)"""
     sync_every_steps: int = 1
     """push the weights to vLLM every this many steps"""
     verify_sync: bool = False
@@ -227,6 +233,15 @@ def zero_std_groups(rewards, group_size: int):
     nothing to the policy gradient (only to the KL term, with --beta): a batch full of them teaches nothing."""
     r = rewards.view(-1, group_size)  # [B/G, G]
     return (r == r[:, :1]).all(dim=1)  # [B/G]
+
+
+def batch_groups(rewards, group_size: int, groups: int) -> list[int]:
+    """DAPO's dynamic sampling: rewards [B] of every group a step drew -> the sample indices [groups * G] it trains on:
+    the first `groups` groups whose rewards differ, in the order drawn; if the rounds ran out first, groups of equal
+    rewards fill the rest (no gradient, as without dynamic sampling)."""
+    equal = zero_std_groups(rewards, group_size).tolist()  # [B/G]
+    chosen = sorted(sorted(range(len(equal)), key=lambda g: equal[g])[:groups])  # differing first (a stable sort)
+    return [g * group_size + j for g in chosen for j in range(group_size)]
 
 
 def policy_loss(
@@ -465,19 +480,18 @@ def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
 
 
 def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check, bf16):
-    """--num-iterations optimizer steps, each over all micro-batches of the samples fed. `check(mismatch)` runs after
-    the first pass, before any update (it stops a run whose server does not sample this policy; None: a stale step).
-    `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the step's statistics and the
-    pass that went bad (a non-finite loss or gradient: that pass's update is not applied), 0 if none did."""
+    """--num-iterations optimizer steps, each over the micro-batches of the samples fed (update_micro_batches).
+    `check(mismatch)` runs after the first pass, before any update (it stops a run whose server does not sample this
+    policy; None: a stale step). `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the
+    step's statistics and the pass that went bad (a non-finite loss or gradient: not applied), 0 if none did."""
     import torch
 
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    lengths = [len(batch.seqs[i]) for i in batch.fed]
-    micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    micro = update_micro_batches(batch, args.micro_token_budget)  # [[sample index]]
     divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
     old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-    fed_tokens = sum(batch.trained[i] for i in batch.fed)  # the model's tokens: the tool's are context
+    fed_tokens = sum(batch.trained[i] for mb in micro for i in mb)  # the model's tokens: the tool's are context
     stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "loss": 0.0, "tokens_fed": fed_tokens}
     for it in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -514,8 +528,8 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                 mis_low=args.mis_low,
                 mis_high=args.mis_high,
                 divisor=divisor,  # the whole step's: this micro-batch's exact share
-                stats=pass_stats,
-            )
+                stats=pass_stats if batch.fed else {},
+            ) * bool(batch.fed)
             finite = torch.isfinite(loss).item()
             if not finite:
                 break
@@ -810,45 +824,49 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
         signal.signal(signum, request_stop)
     stopping = False  # a stop signal seen at the end of a step (request_stop): that step is saved and the loop ends
+    G, groups = args.group_size, args.rollouts_per_update
+    max_rounds = args.max_sampling_rounds if args.dynamic_sampling else 1  # generation rounds a step may take
     while step < args.train_steps and not stopping:
         t0 = time.time()
-        # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy
-        problems = [train[problem_index(args.seed, data_pos + i, len(train))] for i in range(args.rollouts_per_update)]
-        seeds = [rollout_seed(args.seed, data_pos + i, args.group_size) for i in range(args.rollouts_per_update)]
-        data_pos += args.rollouts_per_update
-        results = generate(
-            url,
-            [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems],
-            args.group_size,
-            args.train_temperature,
-            args.max_completion_tokens,
-            args.concurrency,
-            seeds,
-            tool,  # each completion in turns: the model's, and the tool's replies to its code
-        )
-        t_generated = time.time()
-        samples = [
-            Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
-            for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
-            for j, completion in enumerate(res["completions"])
-        ]
-        # fresh: sampled by the version pushed last, which the trainer still holds (not a stale step between pushes of
-        # --sync-every-steps): the server's logprobs must then be the trainer's, up to numerics
-        fresh = current and all(sample.completion["versions"] == [version] for sample in samples)
-        # 2) grade; 3) advantages, relative to each prompt's group
-        grades = grade_batch(
-            [sample.completion["text"] for sample in samples],
-            [sample.gold for sample in samples],
-            args.grade_timeout_s,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
+        # 1) generate: rollouts_per_update prompts x group_size completions from the current vLLM policy; 2) grade.
+        # --dynamic-sampling (DAPO): more rounds of as many prompts, until rollouts_per_update groups' rewards differ
+        samples, grades, rounds, generate_s = [], [], 0, 0.0  # every sample the step drew, its grade
+        while rounds < max_rounds and (~zero_std_groups(torch.tensor([g.reward for g in grades]), G)).sum() < groups:
+            problems = [train[problem_index(args.seed, data_pos + i, len(train))] for i in range(groups)]
+            seeds = [rollout_seed(args.seed, data_pos + i, G) for i in range(groups)]
+            data_pos += groups
+            rounds += 1
+            t_round = time.time()
+            prompts = [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems]
+            # each completion in turns: the model's, and the tool's replies to its code
+            results = generate(
+                url, prompts, G, args.train_temperature, args.max_completion_tokens, args.concurrency, seeds, tool
+            )
+            generate_s += time.time() - t_round
+            drawn = [
+                Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+                for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
+                for j, completion in enumerate(res["completions"])
+            ]
+            grades += grade_batch(
+                [sample.completion["text"] for sample in drawn],
+                [sample.gold for sample in drawn],
+                args.grade_timeout_s,
+                backstop_s=args.grade_backstop_s,
+                workers=args.grade_workers,
+            )
+            samples += drawn
         t_graded = time.time()
-        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+        # 3) advantages, relative to each prompt's group; the groups the step trains on (all of one round, or DAPO's)
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [rounds * groups * G]
+        advantages = group_advantages(rewards, G, args.scale_rewards)  # [rounds * groups * G]
+        kept = batch_groups(rewards, G, groups)  # [B]
+        step_samples, step_advantages = [samples[i] for i in kept], advantages[kept]  # [B], [B]
+        # fresh: sampled by the weights pushed last and still held (no --sync-every-steps lag): logprobs must agree
+        fresh = current and all(sample.completion["versions"] == [version] for sample in step_samples)
 
         # 4) which samples the update sees (those that can change the gradient), which of their tokens get one
-        batch = make_batch(samples, rewards, advantages, args)
+        batch = make_batch(step_samples, rewards[kept], step_advantages, args)
 
         # 5) loss and update: num_iterations optimizer steps, each over all micro-batches of the samples fed
         check = None  # a step sampled by the weights pushed last (and still held) must match their logprobs
@@ -857,7 +875,7 @@ def main() -> None:
                 check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
             )
         stats, bad_pass = update_policy(
-            model, ref_model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, check, bf16
+            model, ref_model, optimizer, batch, step_samples, step_advantages, args, tokenizer.pad_token_id, check, bf16
         )
         updated = bad_pass != 1  # a later pass that went bad keeps the updates of the passes before it
         if bad_pass:
@@ -882,10 +900,11 @@ def main() -> None:
             "total_completion_tokens": total_tokens,
             "skipped_steps": skipped,
             "version": version,
+            "prompts_drawn": rounds * groups,
         }
         seconds = {
-            "generate_s": t_generated - t0,
-            "grade_s": t_graded - t_generated,
+            "generate_s": generate_s,
+            "grade_s": t_graded - t0 - generate_s,
             "update_s": t_updated - t_graded,
             "sync_s": sync_s,
             "step_s": time.time() - t0,
@@ -923,8 +942,9 @@ def main() -> None:
 # data's refusals.
 def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict) -> dict:
     """The step's metrics (docs/grpo_gsm8k.md, Logged metrics): from its grades, its batch, the update's `stats`,
-    the run's `counts` (completion_tokens, total_completion_tokens, skipped_steps, version) and `seconds` (generate_s,
-    grade_s, update_s, sync_s, step_s)."""
+    the run's `counts` (completion_tokens, total_completion_tokens, skipped_steps, version, prompts_drawn)
+    and `seconds` (generate_s, grade_s, update_s, sync_s, step_s). `grades`: every sample the step
+    drew; `batch`: the groups it trained on."""
     import numpy as np
 
     fed = stats["tokens_fed"]  # completion tokens fed through the model
@@ -950,6 +970,8 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         "mis_masked_frac": stats.get("mis_masked", 0.0) / max(1, sum(batch.trained[i] > 0 for i in batch.fed)),
         "skipped_steps": counts["skipped_steps"],
         "version": counts["version"],
+        "prompts_drawn": counts["prompts_drawn"],
+        "sampling_rounds": counts["prompts_drawn"] // len(batch.zero_std),  # rounds of --rollouts-per-update
         **seconds,
         "tokens_per_s": counts["completion_tokens"] / seconds["step_s"],
     }
@@ -969,6 +991,16 @@ def logprob_mismatch_limit(flag: Optional[float], dtypes: list[str]) -> float:
     if flag is not None:
         return flag
     return max(MISMATCH_LIMITS.get(dtype, MISMATCH_LIMITS["bfloat16"]) for dtype in dtypes)
+
+
+def update_micro_batches(batch: Batch, budget: int) -> list[list[int]]:
+    """The update's micro-batches: the samples fed, packed in `budget` tokens each. A step that feeds none (its groups
+    all scored alike) still runs one micro-batch of its samples, with its loss times 0 (the zero gradient feeding
+    nothing gives), so that the check below and the entropy see the policy at every step: a server that samples
+    other weights is caught at once, not at the first step with a signal."""
+    rows = batch.fed or [i for i in range(len(batch.seqs)) if batch.n_comp[i]]
+    micro = [[rows[j] for j in mb] for mb in pack_micro_batches([len(batch.seqs[i]) for i in rows], budget)]
+    return micro if batch.fed else micro[:1]
 
 
 def check_logprob_mismatch(mismatch: float, limit: float, step: int, version: int, transport: str) -> None:
@@ -1642,18 +1674,28 @@ def problem_index(seed: int, position: int, n: int) -> int:
 # requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
 # of prompt i and sample j - 1 of prompt i + 1 draw the same numbers (and the next step reuses them), so a policy that
 # earns no reward keeps drawing the same completions. Spacing the requests by the group size gives every sample of a
-# run its own stream, and the run stays reproducible from --seed.
-SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
+# run its own stream, and the run stays reproducible from --seed. On a CPU a seed is 32 bits: vLLM seeds a request's
+# torch.Generator, whose CPU engine (mt19937) keeps the low 32 bits (2^40 + 5 draws as 5; CUDA's Philox keeps 64). So
+# the 2^32 streams are split: each --seed owns a block of 2^25, training the lower half, evaluation the upper.
+SEEDS_PER_RUN = 1 << 25  # the streams of one --seed: 2^24 training samples (one per stream), then 2^24 evaluation ones
+MAX_SEED = (1 << 32) // SEEDS_PER_RUN - 1  # 127: every block below 2^32, where a CPU tells seeds apart
 
 
 def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
     """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
-    its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
-    return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+    its sample j draws from the stream run_seed * 2^25 + prompt_index * group_size + j, which no other sample of any
+    run with a --seed of 0-127 uses. A seed or a prompt outside the run's block is refused (check_args does first)."""
+    first = prompt_index * group_size  # the run's training samples before this prompt's
+    if not 0 <= run_seed <= MAX_SEED or first + group_size > SEEDS_PER_RUN // 2:
+        raise ValueError(
+            f"--seed {run_seed} and training prompt {prompt_index} x {group_size} samples are outside the run's block "
+            f"of sampling seeds: --seed 0-{MAX_SEED}, {SEEDS_PER_RUN // 2} training samples at most (32-bit seeds)"
+        )
+    return run_seed * SEEDS_PER_RUN + first
 
 
 def eval_seed(run_seed: int, problem_index: int) -> int:
-    """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
+    """Seed of evaluation problem i (one sample): the upper half of the run's block, the same at every evaluation, so
     two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
     return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
 
@@ -1727,17 +1769,11 @@ def start_vllm_server(args: Args, log_path: str):
         cores = sorted(os.sched_getaffinity(0))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    cmd = [
-        sys.executable,
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py"),
-        "--model",
-        args.model,
-        "--host",
-        args.vllm_host,
-        "--port",
-        str(args.vllm_port),
-        *shlex.split(args.server_args),
-    ]
+    server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sync_server.py")
+    if not os.path.isfile(server):  # a copy of this script outside the repository: the server file stays behind
+        refuse(f"--start-server needs vllm_sync_server.py beside this script: copy it to {server}")
+    cmd = [sys.executable, server, "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port)]
+    cmd += shlex.split(args.server_args)
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -2005,7 +2041,17 @@ COUNTS = (  # the flags that count something: each must be 1 or more
     "tool_processes",
     "tool_output_chars",
     "tool_workers",
+    "max_sampling_rounds",
 )
+
+
+def command_line() -> list[str]:
+    """This process's arguments, `--server-args VALUE` glued into `--server-args=VALUE`: tyro would read a VALUE that
+    starts with a dash as flags of this script ("Missing value for argument '--server-args'")."""
+    argv = sys.argv[1:]
+    for i in reversed([i for i, arg in enumerate(argv[:-1]) if arg == "--server-args"]):
+        argv[i : i + 2] = [f"--server-args={argv[i + 1]}"]
+    return argv
 
 
 def parse_args() -> Args:
@@ -2014,11 +2060,16 @@ def parse_args() -> Args:
     every flag not on the command line from `default`)."""
     import tyro
 
-    args = tyro.cli(Args, description=__doc__)
+    args = tyro.cli(Args, args=command_line(), description=__doc__)
     steps = checkpoint_steps(args.checkpoint_dir) if args.resume else []
     saved = saved_args(os.path.join(args.checkpoint_dir, f"step_{steps[-1]}")) if steps else {}
     if saved:  # the checkpoint is where this run found it, whatever folder the saved run named
-        args = tyro.cli(Args, description=__doc__, default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}))
+        args = tyro.cli(
+            Args,
+            args=command_line(),
+            description=__doc__,
+            default=Args(**{**saved, "checkpoint_dir": args.checkpoint_dir}),
+        )
     for name in COUNTS:  # 0 would divide by zero, or do nothing, steps later
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
@@ -2027,8 +2078,11 @@ def parse_args() -> Args:
 
 def check_args(args: Args) -> None:
     """Settings refused before any work, naming the flag (the counts are parse_args's to check)."""
-    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    try:  # the last training prompt the run can draw (over resumes) must still sample from the run's own streams
+        rounds = args.max_sampling_rounds if args.dynamic_sampling else 1
+        rollout_seed(args.seed, args.train_steps * args.rollouts_per_update * rounds - 1, args.group_size)
+    except ValueError as e:
+        refuse(str(e))
     if args.max_logprob_mismatch is not None and args.max_logprob_mismatch < 0:
         raise SystemExit(f"--max-logprob-mismatch must be >= 0 (0: no check), got {args.max_logprob_mismatch}")
     for flag, value in (("--limit", args.limit), ("--eval-limit", args.eval_limit)):

@@ -94,7 +94,8 @@ class Args:
     system_prompt: str = field(default_factory=lambda: SYSTEM_PROMPT)
     """system prompt of every conversation ("" for none; the default is the TASK section's)"""
     max_steps: Optional[int] = None
-    """push this many groups, then exit (default: run until stopped, e.g. by SIGTERM)"""
+    """grade this many groups (pushed, or dropped by --dynamic-sampling), then exit (default: run until stopped, e.g.
+    by SIGTERM)"""
 
     # Algorithm specific arguments
     group_size: int = 8
@@ -107,6 +108,9 @@ class Args:
     """records the learner consumes per version: its --batch-size x --sync-every-steps (share it between actors)"""
     max_queue: int = 1024
     """submit nothing while the queue holds more than this many records"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: push no group whose rewards are all equal (its advantages are 0: no gradient), count
+    it (dropped_groups), and draw another prompt in its place"""
 
     # Generation
     temperature: float = 1.0
@@ -274,6 +278,7 @@ def main() -> None:
     next_group = 0  # this actor's number for the next group (and its place in the data order)
     pushed_groups = 0
     pushed_records = 0
+    dropped_groups = 0  # --dynamic-sampling: graded groups of equal rewards, not pushed
     inflight = {}  # future -> (group number, prompt, gold, url)
     load = {url: 0 for url in args.vllm_urls}  # requests in flight per server
     pool = ThreadPoolExecutor(args.concurrency)
@@ -312,7 +317,7 @@ def main() -> None:
             print(f"actor {actor_id}: waiting: {why}", flush=True)
             waiting = (why, time.time())
         if not inflight:
-            if STOP_REQUESTS or (args.max_steps is not None and pushed_groups >= args.max_steps):
+            if STOP_REQUESTS or (args.max_steps is not None and pushed_groups + dropped_groups >= args.max_steps):
                 break
             time.sleep(0.1)
             continue
@@ -353,11 +358,23 @@ def main() -> None:
             zero_std.append(len(set(rewards)) == 1)
         truncated = [sample.completion["finish_reason"] == "length" for sample in samples]
 
-        # 5) push one record per completion (format: see the docstring)
-        records = make_records(samples, grades, advantages, version, actor_id, args)
-        # blocks (and retries) while Redis is down
-        with_retries("RPUSH", where, lambda records=records: push_records(r, args.queue_key, records))
-        pushed_groups += len(finished)
+        # 5) push one record per completion (format: see the docstring); with --dynamic-sampling none of a group of
+        # equal rewards: the learner would feed it a zero gradient. Its records leave the backpressure budget
+        kept = [i for i in range(len(samples)) if not (args.dynamic_sampling and zero_std[i // args.group_size])]
+        dropped = (len(samples) - len(kept)) // args.group_size
+        dropped_groups += dropped
+        submitted_records -= dropped * args.group_size
+        records = make_records(
+            [samples[i] for i in kept],
+            [grades[i] for i in kept],
+            [advantages[i] for i in kept],
+            version,
+            actor_id,
+            args,
+        )
+        if records:  # blocks (and retries) while Redis is down
+            with_retries("RPUSH", where, lambda records=records: push_records(r, args.queue_key, records))
+        pushed_groups += len(finished) - dropped
         pushed_records += len(records)
 
         # 6) log
@@ -365,6 +382,7 @@ def main() -> None:
             last_log = time.time()
             print(
                 f"actor {actor_id}: pushed_groups={pushed_groups} pushed_records={pushed_records} "
+                f"dropped_groups={dropped_groups} "
                 f"reward={sum(gr.reward for gr in grades) / len(grades):.4g} version={version} queue_len={queue_len} "
                 f"inflight={len(inflight)} records_per_s={pushed_records / (time.time() - start):.4g} "
                 f"frac_reward_zero_std={sum(zero_std) / len(zero_std):.4g} "
@@ -374,7 +392,7 @@ def main() -> None:
     pool.shutdown()
     print(
         f"actor {actor_id}: done, {pushed_groups} groups ({pushed_records} records) pushed in "
-        f"{time.time() - start:.1f}s, {submitted_groups} submitted",
+        f"{time.time() - start:.1f}s, {submitted_groups} submitted, {dropped_groups} dropped (equal rewards)",
         flush=True,
     )
 

@@ -333,19 +333,21 @@ def make_batch(records: list[dict], args: Args) -> Batch:
 
 
 def update_policy(model, optimizer, batch: Batch, records, args: Args, pad_id: int, version: int, check, bf16):
-    """One optimizer step over all micro-batches of the records fed. The logprob mismatch is measured on the tokens
-    sampled by `version`, the weights this learner holds; `check(mismatch)` runs on it before the update (None: those
-    weights are not the servers'). `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the
-    step's statistics and whether the weights were updated (not after a non-finite loss or gradient)."""
+    """One optimizer step over the micro-batches of the records fed (none fed: one, its loss times 0, for the check and
+    the entropy). The mismatch is measured on the tokens sampled by `version`, the weights this learner holds;
+    `check(mismatch)` runs on it before the update (None: those weights are not the servers'). `bf16`: bfloat16
+    autocast, fp32 master weights. Returns the step's statistics and whether the weights were updated (finite)."""
     import torch
 
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     advantages = torch.tensor([rec["advantage"] for rec in records], dtype=torch.float32)  # [B]
-    lengths = [len(batch.seqs[i]) for i in batch.fed]
-    micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    rows = batch.fed or [i for i in range(len(batch.seqs)) if batch.n_comp[i]]  # none fed: see the docstring
+    lengths = [len(batch.seqs[i]) for i in rows]
+    micro = [[rows[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
+    micro = micro if batch.fed else micro[:1]
     divisor = len(batch.seqs)  # the step's records, fed or not: each micro-batch's loss is its exact share
-    stats = {"loss": 0.0, "entropy_sum": 0.0}
+    stats = {"loss": 0.0, "entropy_sum": 0.0, "tokens_fed": sum(batch.n_comp[i] for mb in micro for i in mb)}
     mismatch_sum = 0.0  # |our logprob - the sampler's| over the tokens sampled by the current version
     fresh_tokens = 0  # those tokens
     bad = False  # a non-finite loss: no update
@@ -372,8 +374,8 @@ def update_policy(model, optimizer, batch: Batch, records, args: Args, pad_id: i
             args.clip_eps_high,
             args.tis_cap,
             divisor,
-            stats=stats,
-        )
+            stats=stats if batch.fed else {},
+        ) * bool(batch.fed)
         if not torch.isfinite(loss):
             bad = True
             break
@@ -985,7 +987,7 @@ def step_metrics(records: list[dict], batch: Batch, stats: dict, lags: Counter, 
     lags popped, the run's `totals` (dropped, rejected, trained, max_lag, queue_len, version) and `seconds` (wait_s,
     sync_s, step_s)."""
     B = len(records)
-    fed = sum(batch.n_comp[i] for i in batch.fed)  # completion tokens fed through the model (0: nothing to learn)
+    fed = stats["tokens_fed"]  # completion tokens fed through the model (none fed: those update_micro_batches ran)
     tokens = max(1.0, stats.get("tokens", 0.0))  # completion tokens of the batch
     step_s = seconds["step_s"]
     return {

@@ -90,6 +90,12 @@ class Args:
     mask_truncated_completions: bool = False
     """no gradient for a completion cut by --max-completion-tokens or --max-seq-len (DAPO's overlong filtering); its
     reward still counts in the statistics"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a step draws rounds of --rollouts-per-update prompts per rank until every rank holds
+    that many groups whose rewards differ (a group of equal rewards has no gradient), and trains on those"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling, the most rounds a step draws; after the last it trains on what it has, filled up with
+    groups of equal rewards"""
 
     # FSDP2
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -192,6 +198,15 @@ def zero_std_groups(rewards, group_size: int):
     nothing to the policy gradient (only to the KL term, with --beta): a batch full of them teaches nothing."""
     r = rewards.view(-1, group_size)  # [B/G, G]
     return (r == r[:, :1]).all(dim=1)  # [B/G]
+
+
+def batch_groups(rewards, group_size: int, groups: int) -> list[int]:
+    """DAPO's dynamic sampling: rewards [B] of every group a step drew -> the sample indices [groups * G] it trains on:
+    the first `groups` groups whose rewards differ, in the order drawn; if the rounds ran out first, groups of equal
+    rewards fill the rest (no gradient, as without dynamic sampling)."""
+    equal = zero_std_groups(rewards, group_size).tolist()  # [B/G]
+    chosen = sorted(sorted(range(len(equal)), key=lambda g: equal[g])[:groups])  # differing first (a stable sort)
+    return [g * group_size + j for g in chosen for j in range(group_size)]
 
 
 def reinforce_loss(logprobs, advantages, mask, divisor=None):
@@ -356,7 +371,9 @@ def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Arg
     world_size = torch.distributed.get_world_size()
     lengths = [len(batch.seqs[i]) for i in batch.fed]
     micro = [[batch.fed[j] for j in mb] for mb in pack_micro_batches(lengths, args.micro_token_budget)]
-    n_micro = int(all_max(device, len(micro)))  # micro-batches every rank runs (0: no rank fed a sample)
+    # micro-batches every rank runs: the busiest rank's, and at least one, so that a step no rank feeds still measures
+    # the sampler's check and the entropy (on the empty turn below) and gets its zero gradient
+    n_micro = max(1, int(all_max(device, len(micro))))
     # The divisor, once for the step: the tokens with a gradient of every sample of every rank, fed or not (a sample
     # not fed has advantage 0: fed, it would add 0 to the sum and its tokens to the count), so that no micro-batch
     # needs to know the others. FSDP's reduce-scatter averages the ranks' gradients: it divides their sum by
@@ -368,7 +385,7 @@ def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Arg
         "loss": 0.0,
         "mismatch_sum": 0.0,
         "entropy_sum": 0.0,
-        "tokens_fed": sum(batch.n_comp[i] for i in batch.fed),
+        "tokens_fed": 0,  # the tokens measured (the mismatch, the entropy): those fed, or the empty turn's if none
     }
     optimizer.zero_grad(set_to_none=True)
     for m in range(n_micro):
@@ -384,18 +401,16 @@ def update_policy(model, optimizer, batch: Batch, samples, advantages, args: Arg
         loss.backward()
         if real:
             stats["loss"] += loss.item() / world_size  # summed over the ranks: the step's loss
+        if real or (m == 0 and not micro):  # every fed token, or this rank's first empty turn when it feeds none
             vllm_lp = sampler_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
             stats["mismatch_sum"] += ((logprobs.detach() - vllm_lp).abs() * mask).sum().item()
             stats["entropy_sum"] += entropy.sum().item()
-    # the sampler's policy check, before the update: the step's figure over every rank's tokens fed (one small
-    # all-reduce), so that all ranks reach the same verdict and stop together; nan, which passes, when no rank fed a
-    # token (the step learns nothing, and the next push replaces the server's weights)
+            stats["tokens_fed"] += int(mask.sum().item())
+    # the sampler's policy check, before the update: the step's figure over every rank's tokens measured (one small
+    # all-reduce), so that all ranks reach the same verdict and stop together
     mismatch_all, fed_all, stale_ranks = all_sum(device, stats["mismatch_sum"], stats["tokens_fed"], float(not fresh))
     if stale_ranks == 0:
         check(mismatch_all / fed_all if fed_all else float("nan"))
-    if not n_micro:  # no rank fed a sample: the zero gradient that feeding them gives (AdamW's momentum still steps)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     if not math.isfinite(stats["grad_norm"]):  # every rank sees the same (global) norm, so all skip or none does
@@ -564,50 +579,56 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # preemption, from here on: finish the step, save it, end
         signal.signal(signum, request_stop)
     stop = 0  # the signal that stops the run, as every rank agreed at a step's end (0: none)
+    G, groups = args.group_size, args.rollouts_per_update  # groups: this rank's share of a step
+    max_rounds = args.max_sampling_rounds if args.dynamic_sampling else 1  # generation rounds a step may take
     while step < args.train_steps and not stop:
         t0 = time.time()
-        # 1) generate this rank's share of the step's prompts, group_size completions each
-        global_idx = list(range(rank, args.rollouts_per_update * world_size, world_size))
-        problems = [train[problem_index(args.seed, data_pos + k, len(train))] for k in global_idx]
-        seeds = [rollout_seed(args.seed, data_pos + k, args.group_size) for k in global_idx]
-        data_pos += args.rollouts_per_update * world_size
-        results = generate(
-            url,
-            [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems],
-            args.group_size,
-            args.train_temperature,
-            args.max_completion_tokens,
-            args.concurrency,
-            seeds,
-        )
-        samples = [
-            Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
-            for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
-            for j, completion in enumerate(res["completions"])
-        ]
+        # 1) generate this rank's share of the step's prompts, group_size completions each; 2) grade (strict format).
+        # --dynamic-sampling (DAPO): more rounds, every rank together (the data order and the seeds stay the run's),
+        # until each rank holds rollouts_per_update groups whose rewards differ
+        samples, grades, rounds, short = [], [], 0, groups  # every sample this rank drew, its grade; groups to find
+        while rounds < max_rounds and all_max(device, short) > 0:
+            global_idx = list(range(rank, groups * world_size, world_size))
+            problems = [train[problem_index(args.seed, data_pos + k, len(train))] for k in global_idx]
+            seeds = [rollout_seed(args.seed, data_pos + k, G) for k in global_idx]
+            data_pos += groups * world_size
+            rounds += 1
+            prompts = [prompt_ids(tokenizer, args.system_prompt, prompt) for prompt, _ in problems]
+            results = generate(
+                url, prompts, G, args.train_temperature, args.max_completion_tokens, args.concurrency, seeds
+            )
+            drawn = [
+                Sample(prompt, gold, res["prompt_token_ids"], completion, seed + j)  # vLLM seeds sample j with seed + j
+                for (prompt, gold), res, seed in zip(problems, results, seeds, strict=True)
+                for j, completion in enumerate(res["completions"])
+            ]
+            grades += grade_batch(
+                [sample.completion["text"] for sample in drawn],
+                [sample.gold for sample in drawn],
+                args.grade_timeout_s,
+                strict_format=args.strict_format,
+                backstop_s=args.grade_backstop_s,
+                workers=args.grade_workers,
+            )
+            samples += drawn
+            short = groups - int((~zero_std_groups(torch.tensor([g.reward for g in grades]), G)).sum())
+        # 3) advantages, relative to each prompt's group (groups never straddle ranks); the groups this rank trains on
+        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [rounds * groups * G]
+        advantages = group_advantages(rewards, G, args.scale_rewards)  # [rounds * groups * G]
+        kept = batch_groups(rewards, G, groups)  # [B]
+        step_samples, step_advantages = [samples[i] for i in kept], advantages[kept]  # [B], [B]
         # fresh: sampled by the version pushed last, which the trainer holds (it pushes after every step)
-        fresh = all(sample.completion["versions"] == [version] for sample in samples)
-        # 2) grade (strict format); 3) advantages, relative to each prompt's group (groups never straddle ranks)
-        grades = grade_batch(
-            [sample.completion["text"] for sample in samples],
-            [sample.gold for sample in samples],
-            args.grade_timeout_s,
-            strict_format=args.strict_format,
-            backstop_s=args.grade_backstop_s,
-            workers=args.grade_workers,
-        )
-        rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32)  # [B]
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [B]
+        fresh = all(sample.completion["versions"] == [version] for sample in step_samples)
 
         # 4) which samples the update sees (those that can change the gradient), which of their tokens get one
-        batch = make_batch(samples, rewards, advantages, args)
+        batch = make_batch(step_samples, rewards[kept], step_advantages, args)
 
         # 5) loss and update, every rank together; before it, the check that the server samples this policy
         check = functools.partial(
             check_logprob_mismatch, limit=limit, step=step + 1, version=version, transport="collective"
         )
         stats, bad_pass = update_policy(
-            model, optimizer, batch, samples, advantages, args, tokenizer.pad_token_id, fresh, check
+            model, optimizer, batch, step_samples, step_advantages, args, tokenizer.pad_token_id, fresh, check
         )
         if bad_pass:
             log.warning("non-finite gradient at step %d: step skipped", step + 1)
@@ -622,6 +643,7 @@ def main() -> None:
         # 7) log, evaluate, checkpoint
         new_tokens = sum(len(sample.completion["token_ids"]) for sample in samples)
         counts = {"completion_tokens": new_tokens, "total_completion_tokens": total_tokens, "version": version}
+        counts["prompts_drawn"] = rounds * groups * world_size
         seconds = {"sync_s": sync_s, "step_s": time.time() - t0}
         metrics = step_metrics(grades, batch, stats, counts, seconds, device)
         total_tokens = metrics["total_completion_tokens"]
@@ -652,8 +674,9 @@ def main() -> None:
 # and resume; the arguments' and the data's refusals.
 def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds: dict, device) -> dict:
     """The step's metrics (docs/reinforce_math_fsdp2.md, Logged metrics), summed over the ranks in one small
-    all-reduce: from this rank's grades, batch and update `stats`, the run's `counts` (completion_tokens of this rank,
-    total_completion_tokens before this step, version) and `seconds` (sync_s, step_s). Every rank must call it."""
+    all-reduce: from this rank's grades (every sample it drew), batch (the groups it trained on) and update `stats`,
+    the run's `counts` (completion_tokens of this rank, total_completion_tokens before this step, version,
+    prompts_drawn over the ranks) and `seconds` (sync_s, step_s). Every rank must call it."""
     sums = all_sum(
         device,
         len(grades),
@@ -670,9 +693,10 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         sum(batch.zero_std),
         len(batch.zero_std),
         len(batch.fed),
+        len(batch.seqs),
     )
     n, r_sum, correct, parse_err, tokens, loss_all, mismatch, entropy_all, fed = sums[:9]
-    n_hit_limit, n_cut, n_zero_std, n_groups, n_fed = sums[9:]
+    n_hit_limit, n_cut, n_zero_std, n_groups, n_fed, n_batch = sums[9:]
     return {
         "loss": loss_all,
         "grad_norm": stats["grad_norm"],
@@ -683,12 +707,14 @@ def step_metrics(grades: list, batch: Batch, stats: dict, counts: dict, seconds:
         "completion_tokens": int(tokens),
         "total_completion_tokens": int(counts["total_completion_tokens"] + tokens),
         "entropy": entropy_all / fed if fed else float("nan"),  # nan: no token was fed
-        "completion_truncated_rate": n_hit_limit / n,
-        "seq_len_truncated_rate": n_cut / n,
+        "completion_truncated_rate": n_hit_limit / n_batch,
+        "seq_len_truncated_rate": n_cut / n_batch,
         "frac_reward_zero_std": n_zero_std / n_groups,
-        "frac_samples_skipped": 1 - n_fed / n,  # no gradient to give: not fed (make_batch)
+        "frac_samples_skipped": 1 - n_fed / n_batch,  # no gradient to give: not fed (make_batch)
         "logprob_mismatch": mismatch / fed if fed else float("nan"),
         "version": counts["version"],
+        "prompts_drawn": counts["prompts_drawn"],
+        "sampling_rounds": counts["prompts_drawn"] // n_groups,  # rounds of --rollouts-per-update on every rank
         **seconds,
         "tokens_per_s": tokens / seconds["step_s"],
     }
@@ -1211,18 +1237,28 @@ def problem_index(seed: int, position: int, n: int) -> int:
 # requests whose seeds are closer than their sample count share random streams: with `seed + i` for prompt i, sample j
 # of prompt i and sample j - 1 of prompt i + 1 draw the same numbers (and the next step reuses them), so a policy that
 # earns no reward keeps drawing the same completions. Spacing the requests by the group size gives every sample of a
-# run its own stream, and the run stays reproducible from --seed.
-SEEDS_PER_RUN = 1 << 40  # the sample seeds of two runs with different --seed never meet (below 2^40 samples)
+# run its own stream, and the run stays reproducible from --seed. On a CPU a seed is 32 bits: vLLM seeds a request's
+# torch.Generator, whose CPU engine (mt19937) keeps the low 32 bits (2^40 + 5 draws as 5; CUDA's Philox keeps 64). So
+# the 2^32 streams are split: each --seed owns a block of 2^25, training the lower half, evaluation the upper.
+SEEDS_PER_RUN = 1 << 25  # the streams of one --seed: 2^24 training samples (one per stream), then 2^24 evaluation ones
+MAX_SEED = (1 << 32) // SEEDS_PER_RUN - 1  # 127: every block below 2^32, where a CPU tells seeds apart
 
 
 def rollout_seed(run_seed: int, prompt_index: int, group_size: int) -> int:
     """Seed of the request for the run's `prompt_index`-th training prompt (counted over steps, ranks and resumes):
-    its sample j draws from the stream run_seed * 2^40 + prompt_index * group_size + j, which no other sample uses."""
-    return run_seed * SEEDS_PER_RUN + prompt_index * group_size
+    its sample j draws from the stream run_seed * 2^25 + prompt_index * group_size + j, which no other sample of any
+    run with a --seed of 0-127 uses. A seed or a prompt outside the run's block is refused (check_args does first)."""
+    first = prompt_index * group_size  # the run's training samples before this prompt's
+    if not 0 <= run_seed <= MAX_SEED or first + group_size > SEEDS_PER_RUN // 2:
+        raise ValueError(
+            f"--seed {run_seed} and training prompt {prompt_index} x {group_size} samples are outside the run's block "
+            f"of sampling seeds: --seed 0-{MAX_SEED}, {SEEDS_PER_RUN // 2} training samples at most (32-bit seeds)"
+        )
+    return run_seed * SEEDS_PER_RUN + first
 
 
 def eval_seed(run_seed: int, problem_index: int) -> int:
-    """Seed of evaluation problem i (one sample): the upper half of the run's range, the same at every evaluation, so
+    """Seed of evaluation problem i (one sample): the upper half of the run's block, the same at every evaluation, so
     two evaluations of a run differ by the policy alone, never by the draw (common random numbers)."""
     return run_seed * SEEDS_PER_RUN + SEEDS_PER_RUN // 2 + problem_index
 
@@ -1496,6 +1532,7 @@ COUNTS = (  # the flags that count something: each must be 1 or more
     "eval_concurrency",
     "save_every",
     "grade_workers",
+    "max_sampling_rounds",
 )
 
 
@@ -1536,8 +1573,11 @@ def said_once(rank: int, work, *args):
 def check_args(args: Args, rank: int, world_size: int, ckpts: list[int]) -> None:
     """Before any work, on every rank (said_once): exit 0 when the newest checkpoint (`ckpts`: their steps, with
     --resume) has --train-steps already, else refuse what cannot run."""
-    if not 0 <= args.seed < 2**23:  # sample seeds are seed * 2^40 + ...: they must fit vLLM's 64-bit generators
-        raise SystemExit(f"--seed must be in [0, 2^23), got {args.seed}")
+    try:  # the last training prompt the run can draw (over resumes) must still sample from the run's own streams
+        rounds = args.max_sampling_rounds if args.dynamic_sampling else 1
+        rollout_seed(args.seed, args.train_steps * args.rollouts_per_update * world_size * rounds - 1, args.group_size)
+    except ValueError as e:
+        refuse(str(e))
     if args.group_size < 2:  # a group of one is its own baseline: its advantage is 0 (its std NaN) and nothing learns
         refuse(f"--group-size must be 2 or more (each completion is scored against its group's), got {args.group_size}")
     if ckpts and ckpts[-1] >= args.train_steps:

@@ -75,8 +75,9 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
         [],
     ),
     "parse_args": (
-        "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt",
-        [TRAINERS],
+        "with --resume a trainer takes its run's saved arguments; eval.py only the training run's system prompt; the "
+        "scripts with --server-args read the command line through command_line",
+        [GRPO, ("reinforce_math_fsdp2.py", "pipeline_learner.py")],
     ),
 }
 

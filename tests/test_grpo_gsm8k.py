@@ -236,10 +236,15 @@ def test_gspo_is_grpo_when_every_sequence_has_one_token():
 
 def test_rollout_seeds_are_distinct_by_construction():
     """vLLM seeds sample j of a request with seed + j: requests spaced by the group size never share a stream, over
-    prompts and steps (the prompt index counts on across steps), and evaluation draws from another range."""
+    prompts and steps (the prompt index counts on across steps), evaluation draws from another range, and so do other
+    --seed values, modulo 2^32 (a CPU's generator keeps 32 bits). A seed or a run that would leave its block of 32-bit
+    streams is refused."""
     assert_seed_streams_distinct(G)
-    assert G.rollout_seed(2, 0, 8) != G.rollout_seed(3, 0, 8)  # another --seed, other streams
-    assert max(G.rollout_seed(2**23 - 1, 10**9, 64), G.eval_seed(2**23 - 1, 10**9)) < 2**63
+    assert (G.rollout_seed(2, 0, 8) - G.rollout_seed(3, 0, 8)) % 2**32 != 0  # another --seed, other streams on a CPU
+    assert G.eval_seed(G.MAX_SEED, 2**24 - 1) == 2**32 - 1  # the last stream of the last seed: the top of 32 bits
+    for run_seed, prompt in ((G.MAX_SEED + 1, 0), (-1, 0), (1, 2**24 // 8)):
+        with pytest.raises(ValueError, match="outside the run's block"):
+            G.rollout_seed(run_seed, prompt, 8)
 
 
 def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_path, process_hooks):
@@ -275,6 +280,63 @@ def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(SystemExit, match="1 GPU"):
         G.physical_gpu(1)
+
+
+def test_batch_groups_takes_the_first_groups_whose_rewards_differ():
+    """DAPO's dynamic sampling keeps, of every group a step drew, the first --rollouts-per-update whose rewards differ,
+    in the order drawn; short of them, the first groups of equal rewards fill the batch (a naive reference)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        size, wanted, drawn = rng.choice([2, 4]), rng.randint(1, 4), rng.randint(1, 12)
+        rewards = [float(rng.random() < 0.3) for _ in range(drawn * size)]
+        groups = [rewards[g * size : (g + 1) * size] for g in range(drawn)]
+        differ = [g for g in range(drawn) if len(set(groups[g])) > 1]
+        equal = [g for g in range(drawn) if len(set(groups[g])) == 1]
+        chosen = sorted((differ + equal)[:wanted])
+        expected = [g * size + j for g in chosen for j in range(size)]
+        assert G.batch_groups(torch.tensor(rewards), size, wanted) == expected, (rewards, size, wanted)
+
+
+@pytest.mark.parametrize(
+    "script", ["grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "grpo_gsm8k_python_tool.py", "eval.py"]
+)
+def test_server_args_take_their_value_after_a_space(script, monkeypatch, tmp_path):
+    """`--server-args "--dtype float32 --enforce-eager"`, as a shell user writes a value, is that value (tyro alone
+    reads it as flags and refuses the line); `--server-args=...` still works, and the flags around it keep theirs."""
+    module = import_script(script)
+    monkeypatch.chdir(tmp_path)
+    for line in (
+        ["--server-args", "--dtype float32 --enforce-eager"],
+        ["--server-args=--dtype float32 --enforce-eager"],
+    ):
+        monkeypatch.setattr("sys.argv", [script, "--model", "m", *line, "--seed", "3"])
+        args = module.parse_args()
+        assert args.server_args == "--dtype float32 --enforce-eager" and args.seed == 3 and args.model == "m"
+
+
+@pytest.mark.parametrize(
+    "script", ["grpo_gsm8k.py", "grpo_gsm8k_lora_one_gpu.py", "grpo_gsm8k_python_tool.py", "eval.py"]
+)
+def test_a_copy_without_the_server_file_says_where_to_put_it(script, tmp_path):
+    """A script copied alone out of the repository (a copier's first move) with --start-server: one line naming
+    vllm_sync_server.py and the path it must be copied to, exit 2, no traceback, no server started."""
+    import shutil
+
+    copy = tmp_path / script
+    shutil.copy(os.path.join(ROOT, script), copy)
+    data = ["--dataset", os.path.join(FIXTURES, "gsm8k_toy")]
+    r = subprocess.run(
+        [PY, str(copy), "--model", "m", "--start-server", *data],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    want = f"--start-server needs vllm_sync_server.py beside this script: copy it to {tmp_path / 'vllm_sync_server.py'}"
+    assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (tmp_path / "vllm_server.log").exists()
 
 
 def test_pack_micro_batches():
@@ -340,6 +402,23 @@ def test_alignment_trainer_logprobs_equal_server_logprobs(toy, temperature):
     results = G.generate(toy.url, GAP_PROMPTS, n=4, temperature=temperature, max_tokens=24, concurrency=4, seeds=seeds)
     worst = worst_logprob_gap(G, model, GAP_PROMPTS, results, temperature)
     assert worst < 1e-4, worst
+
+
+def test_two_seeds_draw_differently_on_the_cpu_server(toy):
+    """The run seed reaches the CPU sampler: the same prompt's group under --seed 1 and --seed 2 draws other
+    completions (with seeds spaced by 2^40, as once, a CPU drew the same ones: it keeps 32 bits), the same --seed draws
+    the same again, and evaluation's stream draws another than training's."""
+    prompts = GAP_PROMPTS[:1]
+
+    def draw(seed):
+        results = G.generate(toy.url, prompts, n=8, temperature=1.0, max_tokens=16, concurrency=1, seeds=[seed])
+        return [c["token_ids"] for c in results[0]["completions"]]
+
+    first, again, other = draw(G.rollout_seed(1, 0, 8)), draw(G.rollout_seed(1, 0, 8)), draw(G.rollout_seed(2, 0, 8))
+    assert first == again
+    assert sum(a != b for a, b in zip(first, other, strict=True)) >= 6, (first, other)  # 8 of 8 but for a rare tie
+    assert draw(G.eval_seed(1, 0))[0] != first[0]
+    assert draw(2**40 + G.rollout_seed(1, 0, 8)) == first  # why: above bit 31 a CPU seed changes nothing
 
 
 def test_alignment_over_the_shared_transport(toy):
@@ -505,6 +584,8 @@ def test_two_steps_log_checkpoint_and_sync(run_a):
         "completion_truncated_rate",
         "seq_len_truncated_rate",
         "frac_reward_zero_std",
+        "prompts_drawn",
+        "sampling_rounds",
         "generate_s",
         "grade_s",
         "update_s",
@@ -581,6 +662,39 @@ def test_sigterm_saves_the_last_step_and_resume_equals_an_uninterrupted_run(toy,
     ]
     assert samples[0] == samples[1] and len(samples[0]) == 6 * 64
     assert max_abs_diff(load_weights(stopped / "ckpt" / "step_6"), load_weights(straight / "ckpt" / "step_6")) < 1e-6
+
+
+def test_dynamic_sampling_draws_rounds_until_groups_differ_and_resumes_exactly(toy, tmp_path):
+    """--dynamic-sampling on the toy task (a random policy: most groups of 8 score alike): a step draws rounds of 8
+    prompts until 8 groups' rewards differ, within --max-sampling-rounds; it logs the prompts drawn and the rounds,
+    trains on groups whose rewards differ (all of them unless the rounds ran out), logs every sample drawn, each on its
+    own seed. Two steps, then --resume for a third: the prompts, seeds and weights of three straight steps."""
+    flags = ("--dynamic-sampling", "--max-sampling-rounds", "3", "--save-every", "1", "--keep-checkpoints", "0")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    _, m = run_script(toy.url, straight, "--train-steps", "3", *flags, *HOT, model=toy.model)
+    rollouts = read_jsonl(straight / "gsm8k_train_rollouts.jsonl")
+    for step, x in enumerate(m, start=1):
+        rounds = int(x["sampling_rounds"])
+        assert 1 <= rounds <= 3 and int(x["prompts_drawn"]) == 8 * rounds, x
+        rows = [r for r in rollouts if r["step"] == step]
+        assert len(rows) == 64 * rounds
+        groups = [[r["reward"] for r in rows[k : k + 8]] for k in range(0, len(rows), 8)]
+        differ = sum(len(set(g)) > 1 for g in groups)
+        assert (differ >= 8) == (float(x["frac_reward_zero_std"]) == 0), (groups, x)  # the batch: 8 differing groups
+        assert rounds == 3 or differ >= 8  # no fewer rounds than needed
+        assert sum(len(set(g)) > 1 for g in groups[:-8]) < 8  # and none more: before the last, too few differed
+    assert sum(int(x["sampling_rounds"]) for x in m) > 3  # the toy task needs more than one round a step
+    seeds = [r["seed"] for r in rollouts]
+    assert len(set(seeds)) == len(seeds)
+    run_script(toy.url, stopped, "--train-steps", "2", *flags, *HOT, model=toy.model)
+    out, _ = run_script(toy.url, stopped, "--train-steps", "3", "--resume", *flags, *HOT, model=toy.model)
+    assert "resumed from ckpt/step_2 at step 2" in out
+    samples = [
+        [(r["step"], r["prompt"], r["seed"]) for r in read_jsonl(d / "gsm8k_train_rollouts.jsonl")]
+        for d in (stopped, straight)
+    ]
+    assert samples[0] == samples[1]
+    assert max_abs_diff(load_weights(stopped / "ckpt" / "step_3"), load_weights(straight / "ckpt" / "step_3")) < 1e-6
 
 
 def test_a_completion_budget_the_server_cannot_hold_is_refused_at_start(toy, tmp_path):

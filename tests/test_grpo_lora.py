@@ -233,9 +233,12 @@ def peft_gap(base_model: str, checkpoint, sampled: list[dict]) -> float:
 @pytest.fixture(scope="module")
 def merged_a(toy, tmp_path_factory) -> Run:
     """Merged run A: 2 steps with rank-8 adapters over the default transport (collective), every push verified by
-    checksum, a checkpoint every step. The server's state is read right after it, before another run pushes its own."""
+    checksum, a checkpoint every step, and dynamic sampling (the variant's rounds: each step trains on groups whose
+    rewards differ, so both move the adapter). The server's state is read right after it, before another run pushes
+    its own."""
     workdir = tmp_path_factory.mktemp("merged_A")
     extra = ("--train-steps", "2", "--save-every", "1", "--verify-sync", "--learning-rate", "3e-2", *LORA, *HOT)
+    extra += ("--dynamic-sampling",)
     out, m = run_script(toy.url, workdir, *extra, model=toy.model)
     assert server_matches(toy.url, workdir / "ckpt" / "step_2" / "merged")
     return Run(workdir, out, m, sample_gap_prompts(toy.url))
@@ -292,7 +295,7 @@ def test_resumed_lora_run_continues_the_same_adapter(toy, merged_a, tmp_path):
     and step 3 moved it."""
     from safetensors.torch import load_file
 
-    extra = ("--train-steps", "3", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT)
+    extra = ("--train-steps", "3", "--save-every", "1", "--learning-rate", "3e-2", *LORA, *HOT, "--dynamic-sampling")
     out, m = run_script(toy.url, merged_a.workdir, *extra, "--resume", model=toy.model)
     assert "resumed from ckpt/step_2 at step 2" in out and [x["version"] for x in m] == ["3"]
     run_script(toy.url, tmp_path, *extra, model=toy.model)

@@ -781,6 +781,23 @@ def test_the_actor_reshuffles_the_data_every_epoch_and_records_its_problems(toy,
     assert rows[0]["answer"].endswith("#### 7") and {gold for _, gold in problem.values()} == {"7"}
 
 
+def test_dynamic_sampling_queues_no_group_of_equal_rewards_and_counts_it(toy, rds, tmp_path):
+    """--dynamic-sampling: 16 groups of 4 on the toy task (a random policy: most groups score alike) end the actor;
+    no group in the queue has equal rewards, the counter of records pushed agrees with the queue, and the groups
+    pushed and dropped, as the actor counts them, add up to the 16 (each dropped one is named in no record)."""
+    out = prefill([toy.url], rds.url, "dyn", "d", 16, tmp_path, "--group-size", "4", "--dynamic-sampling")
+    records = [msgpack.unpackb(raw) for raw in rds.client.lrange("dyn", 0, -1)]
+    groups = {}
+    for rec in records:
+        groups.setdefault(rec["group_id"], []).append(rec["reward"])
+    assert all(len(rewards) == 4 and len(set(rewards)) > 1 for rewards in groups.values()), groups
+    assert int(rds.client.get("dyn:pushed")) == len(records)
+    done = re.search(r"done, (\d+) groups \((\d+) records\) pushed in .*, (\d+) submitted, (\d+) dropped", out)
+    pushed, pushed_records, submitted, dropped = (int(x) for x in done.groups())
+    assert pushed == len(groups) and pushed_records == len(records) and pushed + dropped == submitted == 16, out
+    assert dropped > 0  # the toy task's random policy: most of its groups of 4 score alike
+
+
 def test_learner_resume_continues_the_same_wandb_run(toy, rds, tmp_path):
     """--logger wandb, offline (WANDB_MODE=offline: the run is written under WANDB_DIR, nothing is sent): a run of 1
     step on queued records, then --resume to step 2. Both write to the W&B run of the same id, which the checkpoint

@@ -332,9 +332,7 @@ def test_pipeline_actor_and_learner_train_two_versions(server, real_model, tmp_p
     versions = [int(x["version"]) for x in m]
     assert versions == [v_start + 2, v_start + 3], (v_start, log_tail(log))
     assert [x["trained_total"] for x in m] == ["8", "16"] and [x["lag_hist"] for x in m] == ["0:8"] * 2, m
-    fed = [x for x in m if x["frac_samples_skipped"] != "1"]
-    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in fed), m
-    assert all(x["logprob_mismatch"] == "nan" for x in m if x not in fed), m
+    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m  # fed or not, every step measures it
     assert requests.get(server + "/runtime_version", timeout=30).json()["version"] == versions[-1]
     assert server_matches(server, tmp_path / "ckpt" / "step_2")
     assert "Traceback" not in (tmp_path / "actor.log").read_text()

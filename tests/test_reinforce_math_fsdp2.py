@@ -134,7 +134,8 @@ def _update_on_rank(rank, world_size, port, model_dir, out, feed_all):
 def test_samples_not_fed_change_no_step_on_any_rank(tiny_model, tmp_path):
     """make_batch feeds only the samples that can change the gradient: a zero advantage (a group of equal rewards), or
     a completion masked by --mask-truncated-completions, adds 0 to every token's loss. Over 2 ranks (gloo), rank 0's
-    two groups have equal rewards, so it feeds nothing and runs rank 1's micro-batches as empty turns; the divisor is
+    two groups have equal rewards, so it feeds nothing and runs rank 1's micro-batches as empty turns (measuring the
+    policy on the first); the divisor is
     the tokens of every sample of both ranks. The step equals one process's that feeds all 16 samples: the same
     gradient norm and the same weights (SGD), which the step moved."""
     from transformers import AutoModelForCausalLM
@@ -149,7 +150,9 @@ def test_samples_not_fed_change_no_step_on_any_rank(tiny_model, tmp_path):
         assert got[name]["bad_pass"] == 0
     skipped, fed = got["2 ranks, skipped"], got["1 process, all fed"]
     assert skipped["fed"] == [] and fed["fed"] == list(range(16))  # rank 0 fed nothing
-    assert any(fed["masked"]) and skipped["stats"]["tokens_fed"] == 0
+    assert any(fed["masked"])
+    # rank 0 fed nothing, yet measured the policy (entropy, the sampler's check) on its first empty turn
+    assert skipped["stats"]["tokens_fed"] > 0 and skipped["stats"]["entropy_sum"] > 0
     g_skip, g_all = skipped["stats"]["grad_norm"], fed["stats"]["grad_norm"]
     assert g_all > 0 and abs(g_skip - g_all) < 1e-5 * g_all, (g_skip, g_all)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
@@ -496,6 +499,33 @@ def test_resume_says_at_start_what_it_will_not_do(fsdp_run):
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     r = subprocess.run([*cmd, "--train-steps", "9"], cwd=path, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0 and "written by 2 ranks" in r.stderr, r.stderr[-2000:]
+
+
+def test_dynamic_sampling_keeps_the_ranks_in_lockstep(toy, tmp_path):
+    """--dynamic-sampling over 2 ranks, 2 prompts each a round, 2 steps: every rank draws the same number of rounds (a
+    rank short of 2 groups whose rewards differ makes both draw again, up to --max-sampling-rounds 3), its rollout log
+    holds every sample it drew, and the metrics count the prompts drawn over both ranks. Each round's prompts follow
+    the run's data order across the ranks, every sample its own seed."""
+    flags = ("--train-steps", "2", "--rollouts-per-update", "2", "--dynamic-sampling", "--max-sampling-rounds", "3")
+    _, m = run(toy.url, toy.model, tmp_path, *flags)
+    logs = [rollout_log(tmp_path, rank) for rank in (0, 1)]
+    for step, x in enumerate(m, start=1):
+        rounds = int(x["sampling_rounds"])
+        assert int(x["prompts_drawn"]) == rounds * 2 * 2, x
+        rows = [[r for r in log if r["step"] == step] for log in logs]
+        assert [len(r) for r in rows] == [rounds * 2 * 8] * 2  # each rank: rounds x 2 prompts x 8 samples
+        differ = [
+            [len({r["reward"] for r in rank_rows[k : k + 8]}) > 1 for k in range(0, len(rank_rows), 8)]
+            for rank_rows in rows
+        ]
+        for k in range(1, rounds + 1):  # the rounds went on while a rank had fewer than 2 differing groups
+            enough = all(sum(d[: 2 * k]) >= 2 for d in differ)
+            assert enough == (k == rounds) or (k == rounds == 3 and not enough), (k, rounds, differ)
+    assert max(int(x["sampling_rounds"]) for x in m) > 1  # (at --seed 1 step 1 takes 3 rounds, step 2 one)
+    seeds = [r["seed"] for log in logs for r in log]
+    assert len(set(seeds)) == len(seeds) == sum(int(x["prompts_drawn"]) for x in m) * 8
+    first = sorted({r["seed"] for log in logs for r in log if r["step"] == 1})[::8]  # each request's first seed
+    assert first == [R.rollout_seed(1, k, 8) for k in range(int(m[0]["prompts_drawn"]))]  # the data order, no gap
 
 
 def test_resume_continues_the_same_wandb_run(toy, tmp_path):
