@@ -128,6 +128,7 @@ def _update_on_rank(rank, world_size, port, model_dir, out, feed_all):
         torch.save(
             {"stats": stats, "bad_pass": bad_pass, "fed": batch.fed, "masked": batch.masked, "weights": weights}, out
         )
+    dist.barrier()  # no rank leaves the group while another still uses it (gloo aborts the process otherwise)
     dist.destroy_process_group()
 
 
