@@ -7,7 +7,7 @@ Based on grpo_gsm8k.py; what changes and why:
     generates and grades its own share of the prompts;
   - the algorithm is plainer: on-policy REINFORCE with group-relative advantages (no ratio, no clip, no KL),
     loss = -sum_i A_i sum_t log pi(o_it) / (completion tokens of the whole step): GRPO with one iteration;
-  - the reward is strict: `<think>...</think>` followed by a final \\boxed{} after `</think>`;
+  - the reward is strict (TASK's STRICT_FORMAT): `<think>...</think>` followed by a final \\boxed{} after `</think>`;
   - publishing weights: all ranks gather each full parameter (FSDP's all-gather on the torchrun group); rank 0 alone
     owns the communicator to vllm_sync_server.py and streams them one by one: it never holds a second full copy of
     the model.
@@ -81,8 +81,6 @@ class Args:
     """gradient clipping"""
     scale_rewards: bool = True
     """divide advantages by the group's std"""
-    strict_format: bool = True
-    """reward only `<think>...</think>` followed by the final \\boxed{} (off: the last box anywhere counts)"""
     micro_token_budget: int = 16384
     """maximum padded tokens in one forward/backward micro-batch"""
     max_seq_len: int = 1024
@@ -428,6 +426,7 @@ EVAL_DATASET = "HuggingFaceH4/MATH-500"  # --eval-dataset's default: a hub datas
 SYSTEM_PROMPT = (  # --system-prompt's default
     "Think step by step inside <think>...</think>, then give the final answer after </think> as \\boxed{...}."
 )
+STRICT_FORMAT = True  # grade rewards only the R1 format (its docstring); False: the last \\boxed{} anywhere counts
 
 
 class Grade(NamedTuple):
@@ -454,12 +453,12 @@ def to_problem(row) -> tuple[str, str]:
     return row["problem"], answer
 
 
-def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float = 5.0) -> Grade:
+def grade(completion: str, gold: str, cpu_s: float = 5.0) -> Grade:
     """Reward of one completion against `gold`: the answer to_problem read, or a whole MATH solution (its last
     \\boxed{} is the answer). It may spend `cpu_s` seconds of this process's CPU time (ITIMER_PROF counts CPU, not wall
     clock: load on the machine changes no verdict), then scores 0 with parse_error; math-verify's own wall-clock alarms
     are off. Call it in a main thread (the limit is a signal) or through grade_batch.
-    Strict format (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
+    STRICT_FORMAT (the R1 format): the completion is one think block, `<think>...</think>` with only whitespace
     before it, then the answer: the last \\boxed{} after that `</think>`. Every other think tag breaks the format (a
     `<think>` inside the block, a second block, a stray `</think>` or `<think>` after it), as do a missing block, a
     missing `</think>` and a box only inside the thinking: each is a parse error.
@@ -468,7 +467,7 @@ def grade(completion: str, gold: str, strict_format: bool = True, cpu_s: float =
 
     from math_verify import LatexExtractionConfig, parse, verify
 
-    if strict_format:  # the first </think> closes the block; only what follows it can hold the answer
+    if STRICT_FORMAT:  # the first </think> closes the block; only what follows it can hold the answer
         m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, re.S)
         if m is None or "<think>" in m.group(1) or re.search(r"</?think>", m.group(2)):
             return Grade(0.0, False, True)  # no think block, an unclosed one, or another think tag
@@ -583,7 +582,7 @@ def main() -> None:
     max_rounds = args.max_sampling_rounds if args.dynamic_sampling else 1  # generation rounds a step may take
     while step < args.train_steps and not stop:
         t0 = time.time()
-        # 1) generate this rank's share of the step's prompts, group_size completions each; 2) grade (strict format).
+        # 1) generate this rank's share of the step's prompts, group_size completions each; 2) grade them (TASK).
         # --dynamic-sampling (DAPO): more rounds, every rank together (the data order and the seeds stay the run's),
         # until each rank holds rollouts_per_update groups whose rewards differ
         samples, grades, rounds, short = [], [], 0, groups  # every sample this rank drew, its grade; groups to find
@@ -606,7 +605,6 @@ def main() -> None:
                 [sample.completion["text"] for sample in drawn],
                 [sample.gold for sample in drawn],
                 args.grade_timeout_s,
-                strict_format=args.strict_format,
                 backstop_s=args.grade_backstop_s,
                 workers=args.grade_workers,
             )
@@ -883,7 +881,6 @@ def grade_batch(
     golds: list[str],
     timeout_s: float,
     workers: int = 4,
-    strict_format: bool = True,
     backstop_s: float = 60.0,
 ) -> list[Grade]:
     """Grade in `workers` worker processes (a pebble.ProcessPool), each sample within `timeout_s` seconds of its
@@ -912,7 +909,7 @@ def grade_batch(
     pool = GRADERS[workers]
     futures = []  # all handed to the pool at once; a sample's backstop clock starts when a worker takes it
     for completion, gold in zip(completions, golds, strict=True):
-        grade_args = (completion, gold, strict_format, timeout_s)
+        grade_args = (completion, gold, timeout_s)
         futures.append(pool.schedule(grade, args=grade_args, timeout=backstop_s))
     grades = []
     for future in futures:
@@ -1366,7 +1363,6 @@ def evaluate(url: str, prompts: list[list[int]], golds: list[str], args: Args, r
         [res["completions"][0]["text"] for res in results],
         golds,
         args.grade_timeout_s,
-        strict_format=args.strict_format,
         backstop_s=args.grade_backstop_s,
         workers=args.grade_workers,
     )

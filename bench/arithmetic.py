@@ -132,18 +132,20 @@ def grpo_cmd(script: str, model: str, dataset: str, steps: int, seed: int, lr: s
     return cmd + list(extra)
 
 
-def reinforce_cmd(model: str, dataset: str, steps: int, seed: int, port: int) -> list:
-    """reinforce_math_fsdp2.py on 2 ranks (gloo) against the server at `port`."""
-    cmd = [
-        os.path.join(os.path.dirname(PY), "torchrun"),
-        "--nproc_per_node=2",
-        os.path.join(ROOT, "reinforce_math_fsdp2.py"),
-    ]
+def reinforce_cmd(model: str, dataset: str, steps: int, seed: int, port: int, workdir: str) -> list:
+    """reinforce_math_fsdp2.py on 2 ranks (gloo) against the server at `port`: a copy in `workdir` whose TASK rewards
+    the last box anywhere (STRICT_FORMAT = False), as the other trainers do; SmolLM2 writes no think block."""
+    with open(os.path.join(ROOT, "reinforce_math_fsdp2.py")) as f:
+        text = f.read()
+    script = os.path.join(workdir, "reinforce_math_fsdp2.py")
+    with open(script, "w") as f:
+        f.write(text.replace("\nSTRICT_FORMAT = True ", "\nSTRICT_FORMAT = False ", 1))
+    cmd = [os.path.join(os.path.dirname(PY), "torchrun"), "--nproc_per_node=2", script]
     cmd += ["--model", model, "--dataset", dataset, "--eval-dataset", dataset, "--seed", str(seed)]
     cmd += ["--train-steps", str(steps), "--rollouts-per-update", str(SAMPLES["prompts"])]
     cmd += ["--group-size", str(SAMPLES["group"]), "--train-temperature", SAMPLES["temperature"]]
     cmd += ["--max-completion-tokens", SAMPLES["tokens"], "--learning-rate", LR, "--system-prompt", ""]
-    cmd += ["--no-strict-format", "--param-dtype", "float32", "--no-activation-checkpointing", "--eval-every", "0"]
+    cmd += ["--param-dtype", "float32", "--no-activation-checkpointing", "--eval-every", "0"]
     cmd += ["--micro-token-budget", "4096"]
     return cmd + ["--save-every", str(steps), "--checkpoint-dir", "ckpt", "--vllm-port", str(port)]
 
@@ -183,7 +185,7 @@ def train(name: str, model: str, tier: str, steps: int, seed: int, workdir: str)
         port = free_port()
         server = start_server(model, port, workdir)
         try:
-            cmd = reinforce_cmd(model, os.path.join(FIXTURES, f"arithmetic_{tier}_math"), steps, seed, port)
+            cmd = reinforce_cmd(model, os.path.join(FIXTURES, f"arithmetic_{tier}_math"), steps, seed, port, workdir)
             r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=7200)
         finally:
             stop(server)

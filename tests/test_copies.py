@@ -33,7 +33,7 @@ DIFFER = {  # name: (why the copies differ, the groups of scripts whose copies m
     "Sample": ("what each script keeps of a completion", []),
     "generate": ("each script asks the server for what it trains or evaluates on", []),
     "grade": ("GSM8K's answer, MATH's with a strict format, or either (eval.py's task)", [GSM8K]),
-    "grade_batch": ("it calls its own script's grade", [GSM8K]),
+    "grade_batch": ("eval.py's grade takes the task and the strict format too", [(*GSM8K, "reinforce_math_fsdp2.py")]),
     "warm_up_grader": (
         "it grades its own task's example; the FSDP2 trainer's workers leave torchrun's process group",
         [GSM8K],

@@ -8,6 +8,7 @@ the copies that grade it. Modules are imported by name from the repository root 
 workers can too.
 """
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -31,8 +33,10 @@ MODULES = [
 # Extra arguments of a module's grade(completion, gold, ...): eval.py grades several tasks; its "math500" takes
 # the gold as an already-extracted answer, as the case file writes it (MATH-500's `answer` field).
 GRADE_ARGS = {"eval": ("math500",)}
-# reinforce_math_fsdp2 rewards the strict <think> format by default; the case file is about answers.
-GRADE_KW = {"reinforce_math_fsdp2": {"strict_format": False}}
+# reinforce_math_fsdp2 rewards the strict <think> format (its TASK's STRICT_FORMAT); the case file is about answers:
+# its grade runs here with STRICT_FORMAT off, and its grading workers (which import the file as it is) get each
+# completion after an empty think block.
+LENIENT = {"reinforce_math_fsdp2"}
 CASES_FILE = ROOT / "tests" / "grading_cases.jsonl"
 STRICT_FILE = ROOT / "tests" / "grading_cases_strict.jsonl"
 STRICT_MODULES = {
@@ -48,12 +52,17 @@ def _load(name):
     return importlib.import_module(name)
 
 
-def _grade(name, completion, gold):
-    return _load(name).grade(completion, gold, *GRADE_ARGS.get(name, ()), **GRADE_KW.get(name, {}))
+def _grade(name, completion, gold, **kw):
+    m = _load(name)
+    with mock.patch.object(m, "STRICT_FORMAT", False) if name in LENIENT else contextlib.nullcontext():
+        return m.grade(completion, gold, *GRADE_ARGS.get(name, ()), **kw)
 
 
-def _batch(name, *args, **kw):
-    return _load(name).grade_batch(*args, **GRADE_KW.get(name, {}), **kw)
+def _batch(name, completions, *args, **kw):
+    if name in LENIENT:
+        assert not any("think>" in c for c in completions)
+        completions = ["<think></think>" + c for c in completions]
+    return _load(name).grade_batch(completions, *args, **kw)
 
 
 CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
@@ -138,7 +147,7 @@ def test_redundant_braces(module):
         assert m.drop_redundant_braces(kept) == kept
     assert m.drop_redundant_braces(r"{\{1,2\}}") == r"\{1,2\}"
     _grade(module, r"\boxed{1}", "1")  # sympy's first parse outside the limit below
-    g = m.grade(r"\boxed{" + deep + "}", "5", *GRADE_ARGS.get(module, ()), **GRADE_KW.get(module, {}), cpu_s=1.0)
+    g = _grade(module, r"\boxed{" + deep + "}", "5", cpu_s=1.0)
     assert g == m.Grade(1.0, True, False)
     assert inspect.getsource(m.drop_redundant_braces) == inspect.getsource(_load(MODULES[0]).drop_redundant_braces)
 
@@ -304,6 +313,6 @@ def test_grade_batch_from_non_main_thread(module):
 
 @pytest.mark.parametrize("module", MODULES)
 def test_grade_batch_matches_grade(module):
-    sample = CASES[::7]
+    sample = [c for c in CASES[::7] if module not in LENIENT or "think>" not in c["completion"]]
     grades = _batch(module, [c["completion"] for c in sample], [c["gold"] for c in sample], timeout_s=10.0)
     assert [(g.correct, g.parse_error) for g in grades] == [(c["correct"], c["parse_error"]) for c in sample]

@@ -96,7 +96,7 @@ def test_math500_every_row_reinforce(tmp_path):
         ("solution's box vs bare answer", boxes, answers),
     ):
         comps = [f"<think>Let me solve it.</think>\nThe answer is $\\boxed{{{a}}}$." for a in boxed]
-        grades = m.grade_batch(comps, golds, timeout_s=5.0)  # strict format, the default
+        grades = m.grade_batch(comps, golds, timeout_s=5.0)  # the strict format (TASK: STRICT_FORMAT)
         assert _rejects(grades, comps, golds) == [], name
 
 

@@ -2,7 +2,9 @@
 script under `torchrun --nproc_per_node=2` (gloo, FSDP2 on CPU) against a real vllm_sync_server (the toy model,
 MATH-schema problems whose answer is always 7). A copy of the script is tested by changing SCRIPT."""
 
+import atexit
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -47,7 +49,7 @@ R = import_script(SCRIPT)
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
-def test_strict_format_grading():
+def test_strict_format_grading(monkeypatch):
     sol = r"We get $\frac{3}{6} + \frac{2}{6} = \boxed{\frac{5}{6}}$."
     cases = [
         (r"<think>3/6 + 2/6</think> The answer is $\boxed{\frac{5}{6}}$.", (1.0, True, False)),  # well-formed
@@ -62,9 +64,10 @@ def test_strict_format_grading():
     ]
     for text, want in cases:
         assert tuple(R.grade(text, sol)) == want, text
-    assert R.grade(r"\boxed{\frac{5}{6}}", sol, strict_format=False).correct  # the non-strict mode
     assert R.grade(r"<think></think>\boxed 6", r"so the answer is $\boxed 6$.").correct  # `\boxed 6` gold
     assert R.grade(r"<think></think>\boxed{(-2,2)}", "(-2, 2)").correct  # MATH-500's bare `answer` as gold
+    monkeypatch.setattr(R, "STRICT_FORMAT", False)  # a copier's TASK without the R1 format: the last box anywhere
+    assert R.grade(r"\boxed{\frac{5}{6}}", sol).correct and R.grade(r"<think>x</think> \boxed{5/6}", sol).correct
 
 
 def test_reinforce_loss_and_advantages_against_naive():
@@ -294,13 +297,26 @@ def test_setup_turns_dropout_off_and_refuses_a_model_that_changes_its_logits(tin
 
 # ---------------------------------------------------------------------------------------------------
 # the real script against the real server (conftest's `toy`: the toy model's server, one for this module)
+@functools.cache
+def lenient_script() -> str:
+    """SCRIPT as a copier who rewards the last box anywhere edits it (its TASK's STRICT_FORMAT = False), in a folder of
+    its own (removed at exit), where its grading workers import it: the toy model (and SmolLM2 on arithmetic) writes
+    no think block, so under the R1 format every reward would be 0 and no run would learn."""
+    text = Path(ROOT, SCRIPT).read_text()
+    assert text.count("\nSTRICT_FORMAT = True ") == 1
+    folder = tempfile.mkdtemp(prefix="lenient_")
+    atexit.register(shutil.rmtree, folder, True)
+    Path(folder, SCRIPT).write_text(text.replace("\nSTRICT_FORMAT = True ", "\nSTRICT_FORMAT = False ", 1))
+    return os.path.join(folder, SCRIPT)
+
+
 def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> list:
-    """The script and its arguments against the server at `url` (fp32), for a launcher to run. `data` and
-    `eval_data`: the training and evaluation sets (default: the toy math set for both, its overlap kept)."""
+    """The script (its lenient copy) and its arguments against the server at `url` (fp32), for a launcher to run.
+    `data` and `eval_data`: the training and evaluation sets (default: the toy math set for both, its overlap kept)."""
     toy_data = data is None
     data = data or os.path.join(FIXTURES, "math_toy")
     return [
-        os.path.join(ROOT, SCRIPT),
+        lenient_script(),
         "--model",
         model,
         "--dataset",
@@ -317,7 +333,6 @@ def script_args(url, model, *extra, lr="1e-4", data=None, eval_data=None) -> lis
         lr,
         "--system-prompt",
         "",
-        "--no-strict-format",
         "--param-dtype",
         "float32",
         "--micro-token-budget",
@@ -903,11 +918,11 @@ import psutil
 sys.path.insert(0, sys.argv[1])
 import reinforce_math_fsdp2 as R
 signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the rank, which turns SIGTERM into a stop
-assert R.grade_batch(["\\\\boxed{7}"], ["7"], 5.0, workers=2, strict_format=False)[0].correct
+assert R.grade_batch(["<think></think>\\\\boxed{7}"], ["7"], 5.0, workers=2)[0].correct
 workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
 print(" ".join(str(p.pid) for p in workers), flush=True)
 sys.stdin.readline()
-print(R.grade_batch(["\\\\boxed{7}"] * 4, ["7"] * 4, 5.0, workers=2, strict_format=False), flush=True)
+print(R.grade_batch(["<think></think>\\\\boxed{7}"] * 4, ["7"] * 4, 5.0, workers=2), flush=True)
 """
 
 

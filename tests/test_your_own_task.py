@@ -154,11 +154,11 @@ def test_the_grpo_copy_trains_on_countdown(toy, tmp_path):
 
 
 def test_the_reinforce_copy_trains_on_countdown(toy, tmp_path):
-    """The FSDP2 copy under torchrun, 2 ranks (gloo), 2 steps on Countdown, without the strict format."""
+    """The FSDP2 copy under torchrun, 2 ranks (gloo), 2 steps on Countdown, its TASK in the strict format."""
     copy = patched("reinforce_math_fsdp2.py", tmp_path / "copy")
     data = countdown_data(tmp_path / "data")
     cmd = [TORCHRUN, "--nproc_per_node=2", copy, "--model", toy.model, "--dataset", data, "--eval-dataset", data]
-    cmd += ["--vllm-port", toy.url.rsplit(":", 1)[1], *COMMON, "--no-strict-format", "--param-dtype", "float32"]
+    cmd += ["--vllm-port", toy.url.rsplit(":", 1)[1], *COMMON, "--param-dtype", "float32"]
     cmd += ["--train-steps", "2", "--rollouts-per-update", "2", "--rank0-only-output", "--save-every", "2"]
     out = run_ok(cmd, cwd=tmp_path, timeout=900).stdout
     rollouts = [r for rank in (0, 1) for r in read_jsonl(tmp_path / f"fsdp2_math_rollouts.rank{rank}.jsonl")]
