@@ -6,6 +6,9 @@ reference for a merged checkpoint is the base plus (alpha / r) B A computed here
 import json
 import os
 import struct
+import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -463,9 +466,9 @@ class FileOpens:
 
 def test_an_adapter_is_read_once_per_load_and_outlives_its_files(toy, lora_server, tmp_path):
     """After /update_adapter the workers hold the adapter: sampling with it reads none of its files (a request that
-    named the adapter with load_inplace on would make every engine step read them again). A request running on
-    version 1 (a long completion, its first tokens streamed, then held by vLLM's pause) finishes every token after
-    version 2 was loaded and version 1's directory deleted, and the server still samples."""
+    named the adapter with load_inplace on would make every engine step read them again). A request sent for
+    version 1 (held queued in the engine by /pause) finishes every token after version 2 was loaded and version 1's
+    directory deleted, and the server still samples."""
     import requests
 
     _, peft_model = lora_model(toy.model, seed=0)
@@ -484,30 +487,33 @@ def test_an_adapter_is_read_once_per_load_and_outlives_its_files(toy, lora_serve
         opens.close()
     assert loaded >= 1 and sampling == 0, (loaded, sampling)
 
-    # a request in flight on version 1 (vLLM's /v1/completions, streamed: its first chunk says it runs), held in the
-    # engine by the server's /pause (vLLM's mode keep) while version 2 goes in and version 1's files go. Should it be
-    # over before the hold (16 samples of 900 tokens to go: 14,400 tokens streamed; only a machine stalled for
-    # seconds gets there), it is sent again, at most 5 times.
+    # a request for version 1 (vLLM's /v1/completions) held in the engine by the test's own hand, whatever the load:
+    # /pause first (vLLM's mode keep), then the request, queued until /resume; meanwhile version 2 goes in and version
+    # 1's files go. Then it runs every token.
     n_samples = 16
     n_tokens = 900
     body = {"model": "policy", "prompt": GAP_PROMPTS[0], "max_tokens": n_tokens, "ignore_eos": True, "stream": True}
     body |= {"n": n_samples, "temperature": 1.0, "seed": 0, "stream_options": {"include_usage": True}}
-    for _attempt in range(5):
-        with requests.post(lora_server + "/v1/completions", json=body, stream=True, timeout=120) as r:
-            chunks = (line for line in r.iter_lines() if line)
-            first = next(chunks)
-            assert first.startswith(b"data: {"), first
-            held = requests.post(lora_server + "/pause", timeout=60).json()
-            try:
-                if held["in_flight"]:
-                    G.push_adapter(lora_server, peft_model, 2, str(adapters))
-                    assert os.listdir(adapters) == ["v2"]
-            finally:
-                assert requests.post(lora_server + "/resume", timeout=60).ok
-            events = [json.loads(line.removeprefix(b"data: ")) for line in chunks if line != b"data: [DONE]"]
-        if held["in_flight"]:
-            break
-    assert held["in_flight"], "the long request was over before /pause in 5 attempts"
+    events = []
+
+    def request() -> None:  # the whole stream, in a thread: the main thread loads version 2 meanwhile
+        with requests.post(lora_server + "/v1/completions", json=body, stream=True, timeout=600) as r:
+            lines = (line.removeprefix(b"data: ") for line in r.iter_lines() if line)
+            events.extend(json.loads(line) for line in lines if line != b"[DONE]")
+
+    assert requests.post(lora_server + "/pause", timeout=60).json()["in_flight"] == 0
+    thread = threading.Thread(target=request)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120  # a bound on a request that never arrives, not a race: it waits queued
+        while requests.post(lora_server + "/pause", timeout=60).json()["in_flight"] == 0:
+            assert time.monotonic() < deadline, "the /v1 request never reached the engine"
+            time.sleep(0.05)
+        G.push_adapter(lora_server, peft_model, 2, str(adapters))
+        assert os.listdir(adapters) == ["v2"]
+    finally:
+        assert requests.post(lora_server + "/resume", timeout=60).ok
+        thread.join(timeout=600)
     assert "error" not in events[-1], events[-1]
     assert events[-1]["usage"]["completion_tokens"] == n_samples * n_tokens
     finished = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
