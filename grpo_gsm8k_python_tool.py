@@ -26,7 +26,6 @@ every function the two share identical, and lists those that differ.
   python bench/python_tool.py --seeds 1 2 3 --table
 """
 
-import atexit
 import contextlib
 import datetime
 import functools
@@ -1571,8 +1570,11 @@ def push_weights(sync: dict, model, version: int) -> dict:
             sync["pg"],
             f"the weight push to {sync['url']}",
         )
-    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
-        work.wait()
+    try:
+        for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
+            work.wait()
+    except RuntimeError as e:  # or when a server's end of the group went away (killed mid-push): named, as post does
+        raise RuntimeError(f"vLLM server at {sync['url']} broke off the weight push: {e}") from e
     done = next(answer)
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")
@@ -1774,39 +1776,9 @@ def start_vllm_server(args: Args, log_path: str):
         refuse(f"--start-server needs vllm_sync_server.py beside this script: copy it to {server}")
     cmd = [sys.executable, server, "--model", args.model, "--host", args.vllm_host, "--port", str(args.vllm_port)]
     cmd += shlex.split(args.server_args)
-    with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    from vllm_sync_server import launch  # the server's own: it stops with this run, and is watched while it runs
 
-    def stop_server() -> None:
-        """SIGTERM to the server's process group (the engine and its workers too), SIGKILL to what is left of it after
-        30 s."""
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # the group is gone: nothing left
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    def stop_server_on_signal(signum, frame) -> None:
-        """SIGTERM (kill, timeout, a cluster's preemption) and SIGINT (Ctrl-C) reach this process alone (the server
-        has its own session), and Python runs no atexit handler on SIGTERM (a KeyboardInterrupt's may wait for
-        threads first): stop the server now, then end as the signal would. (In the loop, SIGTERM is request_stop's.)"""
-        stop_server()
-        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
-
-    atexit.register(stop_server)
-    signal.signal(signal.SIGINT, stop_server_on_signal)
-    signal.signal(signal.SIGTERM, stop_server_on_signal)
-    url = f"http://{args.vllm_host}:{args.vllm_port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm_sync_server.py exited with {proc.returncode}; see {log_path}")
-        try:
-            if requests.get(url + "/health", timeout=2, headers=auth_headers()).ok:
-                return proc
-        except requests.RequestException:
-            time.sleep(0.5)
-    raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+    launch(cmd, env, log_path, f"http://{args.vllm_host}:{args.vllm_port}")
 
 
 # Preemption. A cluster ends a job with SIGTERM (SLURM at its time limit or preempting, Kubernetes evicting a pod,

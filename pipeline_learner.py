@@ -845,8 +845,11 @@ def push_weights(sync: dict, model, version: int) -> float:
             sync["pg"],
             f"the weight push to {sync['urls']}",
         )
-    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
-        work.wait()
+    try:
+        for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
+            work.wait()
+    except RuntimeError as e:  # or when a server's end of the group went away (killed mid-push): named, as post does
+        raise RuntimeError(f"a vLLM server of {', '.join(sync['urls'])} broke off the weight push: {e}") from e
     for url, answer in zip(sync["urls"], answers, strict=True):
         done = next(answer)
         if done["status"] != "ok" or done["version"] != version:

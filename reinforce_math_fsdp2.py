@@ -1134,8 +1134,11 @@ def push_weights(sync: Optional[dict], model, version: int) -> Optional[dict]:
             sync["pg"],
             f"the weight push to {sync['url']}",
         )
-    for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
-        work.wait()
+    try:
+        for _, work in inflight:  # gloo: blocks, and raises at the group's timeout
+            work.wait()
+    except RuntimeError as e:  # or when a server's end of the group went away (killed mid-push): named, as post does
+        raise RuntimeError(f"vLLM server at {sync['url']} broke off the weight push: {e}") from e
     done = next(answer)
     if done["status"] != "ok":
         raise RuntimeError(f"weight push to {sync['url']} failed: {done}")

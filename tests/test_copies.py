@@ -134,8 +134,9 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
         # more for lora_merged's exact restore of the base (peft's unmerge does not give a bf16 base back); 4 for the
         # new version of sleep mode's re-push after a skipped step; 26 for the checkpoint transport, which the base
         # leaves to this file (a setting of its own: a server that cannot reach the trainer's ports); 4 for the server
-        # check after the refusal of sleep mode on CPU (it needs torch)
-        646,
+        # check after the refusal of sleep mode on CPU (it needs torch); 1 for `import contextlib`, which the base no
+        # longer needs since the server's own `launch` starts and stops it
+        647,
     ),
     "grpo_gsm8k_python_tool.py": (
         "grpo_gsm8k.py",

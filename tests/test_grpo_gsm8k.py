@@ -264,14 +264,14 @@ def test_start_server_puts_the_server_on_the_visible_gpu_meant(monkeypatch, tmp_
         def poll(self):
             return 1
 
-    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    monkeypatch.setattr(subprocess, "Popen", Exited)  # (vllm_sync_server.launch starts it)
     for visible, gpu, want in [("4,5", "0", "4"), ("1,0", "1", "0"), (None, "2", "2")]:
         if visible is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         args = tyro.cli(G.Args, args=["--vllm-gpu", gpu, "--start-server"])
-        with pytest.raises(RuntimeError, match="exited"):
+        with pytest.raises(SystemExit, match="the server this run started, exited with status 1; its log: "):
             G.start_vllm_server(args, str(tmp_path / "server.log"))
         assert launched[-1] == want, (visible, gpu, launched)
     # each launch left its clean-up: the server stopped at exit, and on SIGINT and SIGTERM (recorded, not installed)
@@ -978,11 +978,11 @@ def test_start_server_makes_the_sync_dir_the_servers_checkpoint_root(monkeypatch
         def poll(self):
             return 1
 
-    monkeypatch.setattr(V.subprocess, "Popen", Exited)
+    monkeypatch.setattr(subprocess, "Popen", Exited)  # (vllm_sync_server.launch starts it)
     monkeypatch.chdir(tmp_path)
     for transport in ("checkpoint", "collective"):
         args = tyro.cli(V.Args, args=["--start-server", "--sync-transport", transport, "--sync-dir", "s"])
-        with pytest.raises(RuntimeError, match="exited"):
+        with pytest.raises(SystemExit, match="the server this run started, exited with status 1; its log: "):
             V.start_vllm_server(args, str(tmp_path / "server.log"))
     assert launched[0][-2:] == ["--checkpoint-root", str(tmp_path / "s")] and (tmp_path / "s").is_dir()
     assert "--checkpoint-root" not in launched[1]

@@ -558,7 +558,7 @@ def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path, proc
         def poll(self):
             return 1
 
-    monkeypatch.setattr(G.subprocess, "Popen", Exited)
+    monkeypatch.setattr(subprocess, "Popen", Exited)  # (vllm_sync_server.launch starts it)
     monkeypatch.chdir(tmp_path)
     for flags in (
         ["--lora-rank", "10", "--lora-sync", "adapter"],
@@ -566,7 +566,7 @@ def test_start_server_turns_lora_on_for_adapter_sync(monkeypatch, tmp_path, proc
         ["--lora-rank", "8", "--lora-sync", "merged"],
     ):
         args = tyro.cli(G.Args, args=["--start-server", *flags])
-        with pytest.raises(RuntimeError, match="exited"):
+        with pytest.raises(SystemExit, match="the server this run started, exited with status 1; its log: "):
             G.start_vllm_server(args, str(tmp_path / "server.log"))
     assert launched[0][-3:] == ["--enable-lora", "--max-lora-rank", "16"]
     assert launched[1].count("--enable-lora") == 1 and "--max-lora-rank" not in launched[1]

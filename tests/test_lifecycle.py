@@ -5,6 +5,7 @@ evaluator; a copy of either is tested by changing its line."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -271,6 +272,38 @@ def test_sigterm_stops_the_server_it_started(run2):
         os.kill(proc.pid, signal.SIGTERM)  # the trainer alone, as `kill` or `timeout` do
         assert wait_until_gone(server, timeout=90) == []
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        kill_all(proc, server)
+
+
+def test_a_server_that_dies_mid_run_is_named_within_seconds(run2):
+    """The server a trainer started killed mid-run (SIGKILL, as the kernel's out-of-memory killer sends it, to the
+    server's main process alone): within seconds the trainer says in one line that the server was killed by SIGKILL,
+    perhaps out of memory, and where its log is; it ends with exit status 1, no traceback, and the rest of the
+    server's process group (its engine and workers) goes too."""
+    port = free_port()
+    cmd = train_cmd("--resume", "--checkpoint-dir", "ckpt", "--train-steps", "1000", "--vllm-port", str(port))
+    log_path = run2.workdir / "server_killed.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=run2.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = None
+    try:
+        deadline = time.time() + 400
+        while server is None or not re.search(r"^step \d+: ", log_path.read_text(), re.M):  # a step done: mid-run
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            server = server or server_child(proc.pid)
+            time.sleep(0.2)
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        want = "vllm_sync_server.py, the server this run started, was killed by SIGKILL, perhaps out of memory"
+        while want not in log_path.read_text() and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        said = time.monotonic() - killed  # the watcher's: a second to notice (post's retries alone would take 15 s)
+        code = proc.wait(timeout=60)  # (sampling threads may still end their requests' retries first)
+        out = log_path.read_text()
+        assert said < 10 and code == 1 and want in out and "Traceback" not in out, (said, code, out[-3000:])
+        assert f"its log: {run2.workdir / 'vllm_server.log'}" in out, out[-3000:]
+        assert wait_until_gone(server, timeout=30) == []
     finally:
         kill_all(proc, server)
 

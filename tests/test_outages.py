@@ -38,8 +38,10 @@ def killpg_all(*pgids) -> None:
 
 def test_server_killed_mid_run_ends_the_trainer_naming_the_server(base_toy_model, tmp_path):
     """Fault: the vLLM server's whole process group SIGKILLed while grpo_gsm8k.py trains against it (after step 2).
-    Must hold: the trainer ends with exit status 1 and a traceback whose error names the server's URL (post's "not
-    answering ... after N tries"), neither hanging nor ending before its retries are spent.
+    Must hold: the trainer ends with exit status 1 and a traceback whose error names the server's URL, neither
+    hanging nor ending before its retries are spent: post's "not answering ... after N tries", or, should the kill
+    land during a weight push (the test leaves the moment to chance on purpose), push_weights' "broke off the weight
+    push" as soon as gloo's group breaks.
 
     The bound, from the client's constants (read from the script, not copied): `post` makes `retries` tries (5) and
     sleeps 2**attempt s after each failed one but the last, 1 + 2 + 4 + 8 = 15 s in all; a dead server on loopback
@@ -65,13 +67,13 @@ def test_server_killed_mid_run_ends_the_trainer_naming_the_server(base_toy_model
         took = time.monotonic() - killed
         out = log.read_text()
         assert code == 1, out[-3000:]
-        assert took >= backoff_s - 1, (took, out[-3000:])  # it retried for the whole back-off
         errors = [line for line in out.splitlines() if line.startswith("RuntimeError: ")]
         assert "Traceback" in out and errors, out[-3000:]
-        assert re.match(
-            rf"RuntimeError: vLLM server at {re.escape(url)} is not answering \(/\w+\) after {retries} tries",
-            errors[-1],
-        ), out[-3000:]
+        named = rf"RuntimeError: vLLM server at {re.escape(url)} "
+        if re.match(named + "broke off the weight push: ", errors[-1]):  # killed mid-push: gloo's group broke
+            return
+        assert took >= backoff_s - 1, (took, out[-3000:])  # between pushes: it retried for the whole back-off
+        assert re.match(named + rf"is not answering \(/\w+\) after {retries} tries", errors[-1]), out[-3000:]
     finally:
         if trainer is not None:
             killpg_all(trainer.pid)

@@ -3,6 +3,7 @@
 One server (started with --api-key, so every call below but /health carries the key) serves all tests of
 this module, in order; each test leaves it healthy for the next."""
 
+import importlib
 import json
 import os
 import re
@@ -636,6 +637,29 @@ def test_help_is_fast_and_non_loopback_warns(tiny_model):
         assert any("WARNING: binding 0.0.0.0 without --api-key" in line for line in lines)
     finally:
         stop_server(proc)
+
+
+def test_a_cpu_server_given_no_kv_cache_size_takes_an_eighth_of_the_memory(monkeypatch, capsys):
+    """vLLM on a CPU sizes its KV cache at 0.9 of the machine's memory: beside a trainer the kernel killed its worker.
+    Given no size, this server takes an eighth of the memory available, at most 4 GiB (whole MiB), and prints it; a
+    size given as bytes, as $VLLM_CPU_KVCACHE_SPACE or as another --gpu-memory-utilization is left to vLLM."""
+    import types
+
+    import psutil
+
+    server = importlib.import_module(SCRIPT.removesuffix(".py"))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    for available, want in [(8 << 30, 1 << 30), (64 << 30, 4 << 30), ((3 << 30) + 12345, 384 << 20)]:
+        monkeypatch.setattr(
+            psutil, "virtual_memory", lambda available=available: types.SimpleNamespace(available=available)
+        )
+        assert server.parse_vllm_args(["--model", "m"]).kv_cache_memory_bytes == want
+        assert f"a KV cache of {want / 2**30:.2f} GiB on the CPU" in capsys.readouterr().out
+    assert server.parse_vllm_args(["--model", "m", "--kv-cache-memory-bytes", "1000"]).kv_cache_memory_bytes == 1000
+    assert server.parse_vllm_args(["--model", "m", "--gpu-memory-utilization", "0.5"]).kv_cache_memory_bytes is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert server.parse_vllm_args(["--model", "m"]).kv_cache_memory_bytes is None  # vLLM's platform reads it later
+    assert "KV cache" not in capsys.readouterr().out
 
 
 def test_a_busy_port_fails_before_anything_loads(tiny_model):
