@@ -646,17 +646,8 @@ def pop_records(r, args: Args, version: int, vocab_size: int, counts: Counter, w
             lags[lag] += 1
             status = "dropped" if lag > args.max_lag else "trained"
             counts[status] += 1
-            popped_log.append(
-                {
-                    "status": status,
-                    "id": rec["id"],
-                    "lag": lag,
-                    "version_min": rec["version_min"],
-                    "version_max": rec["version_max"],
-                    "reward": rec["reward"],
-                    "advantage": rec["advantage"],
-                }
-            )
+            logged = ("id", "version_min", "version_max", "reward", "advantage")
+            popped_log.append({"status": status, "lag": lag} | {name: rec[name] for name in logged})
             if status == "trained":
                 records.append(rec)
     return records, lags, t_wait, popped_log
