@@ -431,9 +431,7 @@ def hold_mode(asleep: list, busy: bool) -> Literal["asleep", "pause", "gate"]:
     paused its scheduler, and its wake_up resumes it only once nothing sleeps (vllm/v1/engine/core.py, wake_up). Our
     pause and resume would undo that: resume_scheduler unpauses unconditionally, and the next step would run on a KV
     cache that is not mapped. "pause": vLLM's pause ("keep"). "gate": nothing in flight, /generate holds new ones."""
-    if asleep:
-        return "asleep"
-    return "pause" if busy else "gate"
+    return "asleep" if asleep else "pause" if busy else "gate"
 
 
 @asynccontextmanager
@@ -462,10 +460,7 @@ async def engine_held(state: ServerState):
 async def advance_version(state: ServerState, version: Optional[int]) -> None:
     """The engine computes with new weights: `version`, or the current one + 1. vLLM labels every token sampled from
     now on with it (each completion's version_spans)."""
-    if version is not None:
-        state.version = version
-    else:
-        state.version += 1
+    state.version = state.version + 1 if version is None else version
     await state.engine.update_weight_version(str(state.version))
 
 
@@ -582,6 +577,7 @@ def add_generate_route(app, state: ServerState) -> None:
         seed: Optional[int] = None
         ignore_eos: bool = False
         lora: Optional[str] = None  # the name of an adapter /update_adapter loaded: sample with it
+        prompt_logprobs: bool = False  # also each prompt token's logprob given those before it (a teacher's scores)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
@@ -627,8 +623,9 @@ async def sample(app, state: ServerState, req, i: int, ids: list[int]) -> dict:
     # prompt i draws from seed + i * n + j and no two samples of one request share a random stream
     seed = None if req.seed is None else req.seed + i * req.n
     sampling_params = SamplingParams(
-        **req.model_dump(exclude={"prompts", "messages", "seed", "lora"}),  # the rest have vLLM's names
+        **req.model_dump(exclude={"prompts", "messages", "seed", "lora", "prompt_logprobs"}),  # vLLM's names
         logprobs=0,  # the sampled token's
+        prompt_logprobs=0 if req.prompt_logprobs else None,  # vLLM's raw ones: no temperature, top-p or top-k
         seed=seed,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -644,7 +641,9 @@ async def sample(app, state: ServerState, req, i: int, ids: list[int]) -> dict:
     if lora is not None:  # the policy is the adapter: its versions, at the start and the end of the request
         for c in completions:
             c["versions"] = sorted({adapter_version, state.adapters[req.lora]})
-    return {"prompt_token_ids": ids, "completions": completions}
+    prompt_lps = final.prompt_logprobs if req.prompt_logprobs else None  # [prompt token]: the first None
+    scores = prompt_lps and [lp and lp[t].logprob for t, lp in zip(ids, prompt_lps, strict=True)]
+    return {"prompt_token_ids": ids, "completions": completions, "prompt_logprobs": scores}
 
 
 def two_lines(first: dict, task: asyncio.Task):
@@ -1613,6 +1612,7 @@ def launch(cmd: list[str], env: dict, log_path: str, url: str):
     with open(log_path, "w") as log_file:  # the server writes to its own copy of the file descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     on_purpose = []  # stop_server's mark: the trainer ended it
+    earlier = signal.getsignal(signal.SIGUSR2), sys.excepthook  # a server this trainer started before (a teacher's)
 
     def stop_server() -> None:
         """SIGTERM to the server's process group (its engine and workers too), SIGKILL to what is left after 30 s."""
@@ -1635,6 +1635,8 @@ def launch(cmd: list[str], env: dict, log_path: str, url: str):
             os.kill(os.getpid(), signal.SIGUSR2)
 
     def server_ended(signum, frame) -> None:  # said now, not at exit: threads still sampling may take a while to end
+        if proc.poll() is None and callable(earlier[0]):  # the signal of a server launched before: its handler's
+            return earlier[0](signum, frame)
         os.write(sys.stderr.fileno(), f"{how_it_ended(proc, log_path)}\n".encode())  # (a print could cut into one)
         raise SystemExit(1)
 
@@ -1643,8 +1645,8 @@ def launch(cmd: list[str], env: dict, log_path: str, url: str):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # the handler, from here on, leaves it to this hook
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5 if issubclass(exc_type, (RuntimeError, OSError)) and not on_purpose else 0)
-        if proc.returncode is None or on_purpose:
-            return sys.__excepthook__(exc_type, exc, tb)
+        if proc.returncode is None or on_purpose:  # not this server: the hook of one launched before, or Python's
+            return earlier[1](exc_type, exc, tb)
         print(how_it_ended(proc, log_path), file=sys.stderr, flush=True)
 
     atexit.register(stop_server)
