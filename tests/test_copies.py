@@ -153,6 +153,21 @@ VARIANTS = {  # variant: (base, {name: what the variant adds}, the most lines `d
         # the turns, the tool and its sandbox, with the flags, metrics and docstrings they add (496 lines), and room
         600,
     ),
+    "distill_gsm8k.py": (
+        "grpo_gsm8k.py",
+        {
+            "Args": "the teacher's flags and --reward-weight; no dynamic sampling (every group is scored)",
+            "Sample": "the teacher's logprob of each completion token",
+            "make_batch": "every sample is fed: each token has the teacher's score",
+            "update_policy": "each token's advantage from the teacher's logprobs and pi_old's; the reverse KL",
+            "start_vllm_server": "the model, URL, GPU and flags of either server: the student's and the teacher's",
+            "command_line": "--teacher-server-args glued like --server-args",
+            "check_args": "--reward-weight needs groups; the teacher's URL is not the student's",
+            "main": "the teacher: its tokenizer checked, its server started, its scores; one round of sampling a step",
+        },
+        # the teacher's route, flags, advantage and metrics, and the docstring that teaches them (301 lines), and room
+        400,
+    ),
 }
 
 
