@@ -224,7 +224,9 @@ def distill_advantages(teacher_logprobs, student_logprobs, mask, sequence_advant
     """On-policy distillation's advantage of every completion token: log pi_teacher(x_t) - log pi_student(x_t), the
     per-token reverse KL negated (positive where the teacher gives the student's token more than the student does),
     plus its sequence's advantage (--reward-weight times the reward centred on its group), 0 at padding.
-    teacher_logprobs, student_logprobs, mask [B, T]; sequence_advantages [B]. A constant of the loss: no gradient."""
+    teacher_logprobs, student_logprobs, mask [B, T]; sequence_advantages [B]. A constant of the loss: no gradient.
+    The student's logprobs are the trainer's at the step's start (pi_old), not the sampler's: those differ from the
+    policy trained by numerics, in bfloat16 about 1e-2 a token, as much as the reverse KL late in a run."""
     per_token = teacher_logprobs - student_logprobs + sequence_advantages.unsqueeze(1)  # [B, T]
     return (per_token * mask).detach()  # [B, T]
 
@@ -248,8 +250,7 @@ def policy_loss(
     divisor=None,
     stats=None,
 ):
-    """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B] (a
-    sequence's, on each of its tokens) or [B, T] (each token its own: distill_gsm8k.py).
+    """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens), advantages [B] or [B, T].
     per token, r = exp(logp - logp_old), clip(r) = clamp(r, 1 - eps_low, 1 + eps_high):
       grpo, dapo, dr_grpo  -min(r * A, clip(r) * A)                      (PPO's clipped objective)
       gspo                 -min(s * A, clip(s) * A), s = exp(mean over the sequence's tokens of (logp - logp_old)):
@@ -265,8 +266,7 @@ def policy_loss(
     import torch
 
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs  # [B, T]
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1], or [B, T]: one per token
+    log_ratio, adv = logprobs - old_logprobs, advantages.reshape(len(advantages), -1)  # [B, T], [B, 1] or [B, T]
     if loss_type == "gspo":  # the sequence's ratio, on every one of its tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1).expand_as(mask)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
@@ -434,6 +434,25 @@ def sampler_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], m
     return torch.tensor([lp + [0.0] * (T - len(lp)) for lp in rows], device=mask.device)  # [b, T]
 
 
+def measure_pi_old(stats: dict, old_lp, vllm_lp, teacher_lp, entropy, mask) -> None:
+    """Add a micro-batch's measures of pi_old (the first pass's logprobs) to the step's `stats`, sums over its
+    completion tokens: its gap to the sampler's logprobs (the check that the server samples this policy), its reverse KL
+    to the teacher (KL(student || teacher), one sample a token) and its entropy. old_lp, vllm_lp, teacher_lp, mask
+    [b, T]; entropy [N]."""
+    stats["mismatch_sum"] += ((old_lp - vllm_lp).abs() * mask).sum().item()
+    stats["reverse_kl_sum"] += ((old_lp - teacher_lp) * mask).sum().item()
+    stats["entropy_sum"] += entropy.sum().item()
+
+
+def teacher_logprobs(samples: list[Sample], idx: list[int], n_comp: list[int], mask):
+    """The teacher's logprobs (teacher_scores) of the completion tokens of the micro-batch's rows `idx`, laid out as its
+    completion mask [b, T] (0 at padding, and past a truncation to --max-seq-len)."""
+    import torch
+
+    flat = [lp for i in idx for lp in samples[i].teacher_logprobs[: n_comp[i]]]  # [N], row by row, as as_rows reads
+    return as_rows(torch.tensor(flat, device=mask.device), mask)  # [b, T]
+
+
 class Batch(NamedTuple):  # a step's B samples as the update sees them, in the order of the step's samples
     seqs: list[list[int]]  # [B] prompt + completion token ids, cut at --max-seq-len
     n_prompt: list[int]  # [B] prompt tokens
@@ -464,13 +483,11 @@ def make_batch(samples: list[Sample], rewards, advantages, args: Args) -> Batch:
 
 
 def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages, args: Args, pad_id: int, check, bf16):
-    """--num-iterations optimizer steps, each over the micro-batches of the samples fed (update_micro_batches). Each
-    token's advantage (distill_advantages) comes from the first pass: the teacher's logprob less the trainer's, pi_old's
-    (the sampler's would do without that pass, but differ from the policy trained by its numerics: in bfloat16 about
-    1e-2 a token, as large as the reverse KL itself late in a run; every pass needs pi_old anyway).
-    `check(mismatch)` runs after the first pass, before any update (it stops a run whose server does not sample this
-    policy; None: a stale step). `bf16`: the forward in bfloat16 autocast (the master weights stay fp32). Returns the
-    step's statistics and the pass that went bad (a non-finite loss or gradient: not applied), 0 if none did."""
+    """--num-iterations optimizer steps, each over the micro-batches of the samples fed (update_micro_batches), each
+    token's advantage the teacher's logprob less pi_old's (distill_advantages). `check(mismatch)` runs after the first
+    pass, before any update (it stops a run whose server does not sample this policy; None: a stale step). `bf16`: the
+    forward in bfloat16 autocast (the master weights stay fp32). Returns the step's statistics and the pass that went
+    bad (a non-finite loss or gradient: not applied), 0 if none did."""
     import torch
 
     device = next(model.parameters()).device
@@ -478,7 +495,6 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
     micro = update_micro_batches(batch, args.micro_token_budget)  # [[sample index]]
     divisor = loss_divisor(args.loss_type, len(batch.seqs), sum(batch.trained), args.max_completion_tokens)
     old_lp = {}  # micro-batch -> logprobs [b, T] of the policy that started the step (pi_old)
-    token_adv = {}  # micro-batch -> advantages [b, T], from pi_old and the teacher's logprobs
     fed_tokens = sum(batch.n_comp[i] for mb in micro for i in mb)  # the tokens whose mismatch and entropy count
     stats = {"mismatch_sum": 0.0, "entropy_sum": 0.0, "reverse_kl_sum": 0.0, "loss": 0.0, "tokens_fed": fed_tokens}
     for it in range(args.num_iterations):
@@ -497,18 +513,14 @@ def update_policy(model, ref_model, optimizer, batch: Batch, samples, advantages
                         ref_flat, _ = token_logprobs(ref_model, ids, attn, at, args.train_temperature)
                         ref_lp = as_rows(ref_flat, mask)
             vllm_lp = sampler_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
+            teacher_lp = teacher_logprobs(samples, idx, batch.n_comp, mask)  # [b, T]
             if it == 0:  # the policy is still pi_old on the first pass: ratio = exp(0) = 1, gradient = REINFORCE's
                 old_lp[m] = logprobs.detach()
-                teacher_flat = [lp for i in idx for lp in samples[i].teacher_logprobs[: batch.n_comp[i]]]  # [N]
-                teacher_lp = as_rows(torch.tensor(teacher_flat, device=device), mask)  # [b, T]
-                token_adv[m] = distill_advantages(teacher_lp, old_lp[m], mask, advantages[idx].to(device))  # [b, T]
-                stats["reverse_kl_sum"] += ((old_lp[m] - teacher_lp) * mask).sum().item()  # KL(student || teacher)
-                stats["mismatch_sum"] += ((old_lp[m] - vllm_lp).abs() * mask).sum().item()
-                stats["entropy_sum"] += entropy.sum().item()
+                measure_pi_old(stats, old_lp[m], vllm_lp, teacher_lp, entropy, mask)
             loss = policy_loss(
                 logprobs,
                 old_lp[m],
-                token_adv[m],
+                distill_advantages(teacher_lp, old_lp[m], mask, advantages[idx].to(device)),  # [b, T]
                 train_mask,
                 args.clip_eps_low,
                 args.clip_eps_high,

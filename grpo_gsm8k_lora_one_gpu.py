@@ -266,8 +266,7 @@ def policy_loss(
     divisor=None,
     stats=None,
 ):
-    """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens only), advantages [B] (a
-    sequence's, on each of its tokens) or [B, T] (each token its own: distill_gsm8k.py).
+    """The policy-gradient objective. logprobs, old_logprobs, mask [B, T] (completion tokens), advantages [B] or [B, T].
     per token, r = exp(logp - logp_old), clip(r) = clamp(r, 1 - eps_low, 1 + eps_high):
       grpo, dapo, dr_grpo  -min(r * A, clip(r) * A)                      (PPO's clipped objective)
       gspo                 -min(s * A, clip(s) * A), s = exp(mean over the sequence's tokens of (logp - logp_old)):
@@ -283,8 +282,7 @@ def policy_loss(
     import torch
 
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs  # [B, T]
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1], or [B, T]: one per token
+    log_ratio, adv = logprobs - old_logprobs, advantages.reshape(len(advantages), -1)  # [B, T], [B, 1] or [B, T]
     if loss_type == "gspo":  # the sequence's ratio, on every one of its tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1).expand_as(mask)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
