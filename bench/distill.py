@@ -58,14 +58,17 @@ def steps_of(log: str) -> tuple[list[dict], list[float]]:
 
 
 def run(cmd: list, workdir: str) -> tuple[list[dict], list[float]]:
-    """`cmd` in `workdir` (it starts its own servers), its log kept there; its steps and held out."""
+    """`cmd` in `workdir` (it starts its own servers), its output in workdir/train.log as it runs; its steps and held
+    out."""
     os.makedirs(workdir, exist_ok=True)
-    r = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=4 * 3600)
-    with open(os.path.join(workdir, "train.log"), "w") as f:
-        f.write(r.stdout + r.stderr)
-    if r.returncode != 0:
-        sys.exit(f"{cmd[1]} failed in {workdir}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return steps_of(r.stdout)
+    log_path = os.path.join(workdir, "train.log")
+    with open(log_path, "w") as log:
+        code = subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=4 * 3600).returncode
+    with open(log_path) as log:
+        output = log.read()
+    if code != 0:
+        sys.exit(f"{cmd[1]} failed in {workdir} (exit {code}):\n{output[-4000:]}")
+    return steps_of(output)
 
 
 def grpo_cmd(steps: int, seed: int) -> list:

@@ -176,13 +176,15 @@ def reverse_kl(student_path: str, teacher_path: str, prompts: list[list[int]]) -
 
 
 def test_the_student_catches_up_with_its_teacher(toy, teacher, tmp_path):
-    """Four steps of distillation, 8 x 8 samples at temperature 1: the run's reverse KL falls, and so does the exact
-    KL(student || teacher) over the toy set's prompts, from the base weights to the last checkpoint; every step logs
-    the teacher's seconds and grpo's metrics, its trainer agrees with its sampler, every push is checked by checksum,
-    and the server ends with the last checkpoint's weights."""
+    """Four steps of distillation, 8 x 8 samples at temperature 1, --reward-weight 0.5: the run's reverse KL falls, and
+    so does the exact KL(student || teacher) over the toy set's prompts, from the base weights to the last checkpoint;
+    every step logs the teacher's seconds and grpo's metrics, its trainer agrees with its sampler, every push is checked
+    by checksum, the server ends with the last checkpoint's weights, and each sample's reward share is 0.5 x its
+    reward less its group's mean."""
     from transformers import AutoTokenizer
 
     flags = ["--train-steps", "4", "--learning-rate", "3e-3", "--train-temperature", "1.0", "--verify-sync"]
+    flags += ["--reward-weight", "0.5"]  # the toy task's rewards are rare: the teacher's scores lead
     r = run_ok(script_cmd(toy, teacher, *flags, "--eval-every", "4", "--eval-limit", "4"), cwd=tmp_path, timeout=600)
     m = metrics_of(r.stdout)
     assert len(m) == 4 and "eval/accuracy" in m[3]
@@ -200,7 +202,11 @@ def test_the_student_catches_up_with_its_teacher(toy, teacher, tmp_path):
     assert after < 0.9 * before, (before, after)
     assert server_matches(toy.url, tmp_path / "ckpt" / "step_4")
     rollouts = read_jsonl(tmp_path / "gsm8k_distill_rollouts.jsonl")
-    assert len(rollouts) == 4 * 64 and all(row["advantage"] == 0 for row in rollouts)  # no --reward-weight
+    assert len(rollouts) == 4 * 64 and any(row["reward"] for row in rollouts)
+    for start in range(0, len(rollouts), 8):  # each group of 8: the reward's share, 0.5 x (reward - the group's mean)
+        group = rollouts[start : start + 8]
+        mean = sum(row["reward"] for row in group) / 8
+        assert all(abs(row["advantage"] - 0.5 * (row["reward"] - mean)) < 1e-6 for row in group), group
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_work(toy, teacher, tiny_model, tmp_path):
