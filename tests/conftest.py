@@ -76,6 +76,18 @@ def import_script(script: str):
     return importlib.import_module(script.removesuffix(".py"))
 
 
+HEAVY = {"torch", "transformers", "vllm", "datasets", "math_verify"}  # what a script imports after its arguments
+
+
+def help_imports(script: str, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`python -X importtime SCRIPT ARGV` (ARGV: --help): its result and the heavy packages (HEAVY) it imported. A
+    --help that imports none of them is fast on any machine: asserted as that behaviour, not in seconds, which a busy
+    machine stretches."""
+    r = subprocess.run([PY, "-X", "importtime", script, *argv], capture_output=True, text=True, timeout=300)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    return r, imported & HEAVY
+
+
 def start_logged(cmd: list, log_path, **popen_kwargs) -> subprocess.Popen:
     """Start `cmd` with its stdout and stderr going to the file `log_path` (the child keeps the file open; this
     process closes its own handle at once)."""

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import FIXTURES, PY, ROOT, SyncClient, load_weights, sha256, start_server, stop_server
+from conftest import FIXTURES, PY, ROOT, SyncClient, help_imports, load_weights, sha256, start_server, stop_server
 from tiny_model import build_tiny_model
 
 sys.path.insert(0, ROOT)
@@ -191,10 +191,8 @@ def test_checksums_of_a_tp_server_whose_workers_share_kv_heads(tmp_path):
 
 def test_gpu_check_help_is_fast_and_it_exits_cleanly_without_cuda():
     script = os.path.join(ROOT, "bench", "gpu_check.py")
-    t0 = time.monotonic()
-    r = subprocess.run([PY, script, "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--timeout-s" in r.stdout, r.stderr
-    assert time.monotonic() - t0 < 10  # (argparse alone: torch is imported after the arguments)
+    r, heavy = help_imports(script, "--help")  # argparse alone: torch is imported after the arguments
+    assert r.returncode == 0 and "--timeout-s" in r.stdout and not heavy, (r.stderr[-2000:], heavy)
     r = subprocess.run(
         [PY, script], capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     )
