@@ -32,7 +32,7 @@ DATASET = os.path.join(ROOT, "tests", "fixtures", "arithmetic_one_digit_gsm8k")
 SERVER_ARGS = "--dtype float32 --enforce-eager --kv-cache-memory-bytes 268435456 --max-model-len 1024"
 RECIPE = [  # bench/arithmetic.py's: the scripts' defaults are for GPUs and larger models
     *("--rollouts-per-update", "8", "--group-size", "8", "--train-temperature", "0.6"),
-    *("--max-completion-tokens", "48", "--learning-rate", "1e-5", "--system-prompt", ""),
+    *("--max-completion-tokens", "48", "--system-prompt", ""),
     *("--no-activation-checkpointing", "--micro-token-budget", "4096", "--eval-limit", "None"),
 ]
 STEP = re.compile(r"^step (\d+): (.*)$")
@@ -73,15 +73,16 @@ def run(cmd: list, workdir: str) -> tuple[list[dict], list[float]]:
 
 def grpo_cmd(steps: int, seed: int) -> list:
     cmd = [PY, os.path.join(ROOT, "grpo_gsm8k.py"), "--model", base_model(), "--dataset", DATASET, "--seed", str(seed)]
-    cmd += ["--train-steps", str(steps), *RECIPE, "--dynamic-sampling", "--eval-before-start", "--eval-every", "1"]
-    cmd += ["--save-every", str(steps), "--checkpoint-dir", "ckpt"]
+    cmd += ["--train-steps", str(steps), *RECIPE, "--learning-rate", "1e-5", "--dynamic-sampling"]
+    cmd += ["--eval-before-start", "--eval-every", "1", "--save-every", str(steps), "--checkpoint-dir", "ckpt"]
     return cmd + ["--start-server", "--vllm-port", str(free_port()), f"--server-args={SERVER_ARGS}"]
 
 
-def distill_cmd(steps: int, seed: int, teacher: str) -> list:
+def distill_cmd(steps: int, seed: int, teacher: str, lr: str) -> list:
     cmd = [PY, os.path.join(ROOT, "distill_gsm8k.py"), "--model", base_model(), "--dataset", DATASET]
     cmd += ["--seed", str(seed), "--teacher-model", teacher, "--train-steps", str(steps), *RECIPE]
-    cmd += ["--eval-before-start", "--eval-every", "1", "--save-every", str(steps), "--checkpoint-dir", "ckpt"]
+    cmd += ["--learning-rate", lr, "--eval-before-start", "--eval-every", "1"]
+    cmd += ["--save-every", str(steps), "--checkpoint-dir", "ckpt"]
     cmd += ["--start-server", "--vllm-port", str(free_port()), f"--server-args={SERVER_ARGS}"]
     return cmd + ["--teacher-url", f"http://127.0.0.1:{free_port()}", f"--teacher-server-args={SERVER_ARGS}"]
 
@@ -133,7 +134,7 @@ def plot(records: list[dict], png: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
     for r in records:
         if r["side"] != "teacher":
-            style = {"distill": "C0", "grpo": "C1"}[r["side"]]
+            style = "C1" if r["side"] == "grpo" else "C0"
             ax.plot(
                 [100 * a for a in r["held_out"]], color=style, marker="o", alpha=0.7, label=f"{r['side']} {r['seed']}"
             )
@@ -155,6 +156,7 @@ def main() -> None:
     p.add_argument("--grpo-steps", type=int, default=8, help="GRPO steps a seed, from the same start (0: none)")
     p.add_argument("--teacher-steps", type=int, default=8)
     p.add_argument("--teacher-seed", type=int, default=1)
+    p.add_argument("--distill-lr", default="1e-5", help="distillation's learning rate (GRPO's: 1e-5)")
     p.add_argument("--out", default="/tmp/cleanrlvr_distill", help="run folders and results.jsonl")
     p.add_argument("--table", action="store_true")
     p.add_argument("--png", default=None)
@@ -167,14 +169,20 @@ def main() -> None:
             records = [json.loads(line) for line in f if line.strip()]
     done = {(r["side"], r["seed"]) for r in records}
     teacher_ckpt = os.path.join(args.out, "teacher", "ckpt", f"step_{args.teacher_steps}")
-    todo = [("teacher", args.teacher_seed)] + [(side, seed) for seed in args.seeds for side in ("distill", "grpo")]
+    distill = "distill" if args.distill_lr == "1e-5" else f"distill_lr{args.distill_lr}"
+    todo = [("teacher", args.teacher_seed)] + [(side, seed) for seed in args.seeds for side in (distill, "grpo")]
     for side, seed in todo:
         if (side, seed) in done or (side == "grpo" and not args.grpo_steps):
             continue
+        if side == "grpo" and (seed, args.grpo_steps) == (args.teacher_seed, args.teacher_steps):  # the same run
+            records.append({**next(r for r in records if r["side"] == "teacher"), "side": "grpo"})
+            with open(results, "a") as f:
+                f.write(json.dumps(records[-1]) + "\n")
+            continue
         if side == "teacher":
             cmd = grpo_cmd(args.teacher_steps, seed)
-        elif side == "distill":
-            cmd = distill_cmd(args.steps, seed, teacher_ckpt)
+        elif side.startswith("distill"):
+            cmd = distill_cmd(args.steps, seed, teacher_ckpt, args.distill_lr)
         else:
             cmd = grpo_cmd(args.grpo_steps, seed)
         steps, held_out = run(cmd, os.path.join(args.out, side if side == "teacher" else f"{side}_seed{seed}"))

@@ -407,7 +407,7 @@ def test_a_multi_turn_samples_ids_and_logprobs(tool_server, tool_model):
     tok = AutoTokenizer.from_pretrained(tool_model)
     model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
     T.disable_dropout(model)
-    args = T.Args(tool_timeout_s=0.5, max_tool_calls=2, tool_workers=8)
+    args = T.Args(tool_timeout_s=3.0, max_tool_calls=2, tool_workers=8)  # (print and 1 / 0 end well within it, loaded)
     tool = T.start_tool(args, tok, T.sandbox_command())
     prompts = [T.prompt_ids(tok, "", q) for q in ("What is 2 + 5?", "What is 3 + 4?", "What is 6 + 1?")]
     results = T.generate(tool_server, prompts, 32, 1.0, 24, 16, [T.rollout_seed(0, i, 32) for i in range(3)], tool)
