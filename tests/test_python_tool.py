@@ -503,25 +503,24 @@ def test_two_steps_with_the_tool_on_the_tiny_model(tool_server, tool_model, tmp_
     )
 
 
-# SmolLM2-135M-Instruct on the harder arithmetic tier: the same 8 problems each step (--limit 8), so that the steps
-# differ by the policy, not the draw; a learning rate above the benchmark's (2e-5, not 1e-5): one update moves it.
+# SmolLM2-135M-Instruct on the harder arithmetic tier, one step of 8 problems x 4 samples at the benchmark's
+# temperature; whether it learns to use the tool is bench/python_tool.py's question, over seeds.
 REAL_RECIPE = ["--limit", "8", "--rollouts-per-update", "8", "--group-size", "4", "--train-temperature", "0.6"]
 REAL_RECIPE += ["--max-completion-tokens", "96", "--learning-rate", "2e-5", "--no-activation-checkpointing"]
-REAL_RECIPE += ["--micro-token-budget", "4096", "--eval-every", "0", "--train-steps", "2"]
+REAL_RECIPE += ["--micro-token-budget", "4096", "--eval-every", "0", "--train-steps", "1"]
 
 
-def test_the_real_model_uses_the_tool_more_or_better(real_model, tmp_path):
-    """2 short steps of SmolLM2 on the harder tier: the reward or the tool calls of step 2 rise over step 1's (measured,
-    seed 1: 0.06 -> 0.31 and 0.56 -> 0.84); the trainer's logprobs equal the server's over turns (float32)."""
+def test_the_real_model_calls_the_tool_and_trains_on_its_turns(real_model, tmp_path):
+    """One step of SmolLM2 on the harder tier: it calls the tool (measured, seed 1: in 56% of its samples) and gets
+    second turns, and the trainer's logprobs of its tokens equal the sampler's over those turns (float32): the
+    multi-turn alignment holds on a real tokenizer and chat template, not only on the tiny model's."""
     proc, url = start_server(real_model, str(tmp_path / "server.log"), "--kv-cache-memory-bytes", str(256 << 20))
     try:
         cmd = script_cmd(url, *REAL_RECIPE, model=real_model, dataset="arithmetic_harder_gsm8k")
         r = run_ok(cmd, cwd=tmp_path, timeout=900)
     finally:
         stop_server(proc)
-    m = metrics_of(r.stdout)
-    reward = [float(x["reward"]) for x in m]
-    calls = [float(x["tool_calls"]) for x in m]
-    print(f"reward {reward}, tool calls {calls}, mismatch {[x['logprob_mismatch'] for x in m]}")
-    assert all(float(x["logprob_mismatch"]) <= 1e-4 for x in m), m
-    assert reward[-1] > reward[0] or calls[-1] > calls[0], (reward, calls)
+    (m,) = metrics_of(r.stdout)
+    print({k: m[k] for k in ("reward", "tool_calls", "turns", "logprob_mismatch")})
+    assert float(m["tool_calls"]) > 0 and float(m["turns"]) > 1, m
+    assert float(m["logprob_mismatch"]) <= 1e-4, m

@@ -2,11 +2,11 @@
 file to float32, 134.5M parameters, tied embeddings, a 49,152-token vocabulary, ChatML), against one real
 vllm_sync_server of it, LoRA on, for the whole module: the server's sampling logprobs equal a float32 Hugging Face
 forward pass before and after pushes of other weights (collective, shared transport and /load_checkpoint), its weight
-checksums equal the trainer's; grpo_gsm8k.py (full) learns one-digit arithmetic in 3 steps, and its variant with LoRA
+checksums equal the trainer's; grpo_gsm8k.py (full) takes a step of one-digit arithmetic, and its variant with LoRA
 (merged or adapter), reinforce_math_fsdp2.py (torchrun, 2 ranks) and the pipeline (actor, learner, a real redis-server)
 train on it, all with every push verified, leaving the server on their last checkpoint; eval.py scores real GSM8K
 problems the same through /generate and through the server's OpenAI routes. Bounded work: a few prompts, 2 small
-training steps (2 of 64 samples to learn arithmetic), 10 problems."""
+training steps (one of 64 samples on arithmetic), 10 problems."""
 
 import json
 import os
@@ -150,28 +150,22 @@ RECIPE = ("--rollouts-per-update", "8", "--group-size", "8", "--train-temperatur
 RECIPE += ("--max-completion-tokens", "48", "--no-activation-checkpointing")
 
 
-def test_grpo_learns_arithmetic_with_verified_pushes(server, real_model, tmp_path):
-    """grpo_gsm8k.py on the real model learns: 2 steps of the one-digit arithmetic task with the recipe of
-    `demo_cpu.sh --real` and bench/arithmetic.py (8 prompts x 8 samples at T=0.6, 48 tokens, no system prompt, seed 2)
-    but 3 times its learning rate (3e-5), so that one update shows (a group of equal rewards has no gradient: step 1
-    feeds 2 groups of 8, not 8; frac_samples_skipped says so), every push verified by checksum (--verify-sync).
-    Must hold: step 1 had a group with a gradient, and the training reward of step 2 is above step 1's by at least 0.1
-    (measured alone at 3e-5, steps 1 -> 2: seed 2 0.031 -> 0.313, seed 3 0.016 -> 0.172; seed 1 0 -> 0.047, as a run
-    that does not learn: no right answer at step 1, so no gradient); the trainer's logprobs equal the sampler's at each
-    step; the weights moved; the server ends with exactly the saved checkpoint's. (With one torch thread, as every
-    process the tests start: 45 and 80 s on a quiet 2-core machine. Micro-batches of 1,024 tokens, a quarter
-    of the bench's: the suite runs beside other tests.)"""
-    extra = ("--dataset", ARITHMETIC, "--train-steps", "2", "--seed", "2", *RECIPE, "--learning-rate", "3e-5")
-    extra += ("--micro-token-budget", "1024")  # (later flags win: seed 2, lr 3e-5)
+def test_grpo_takes_a_step_on_arithmetic_with_a_verified_push(server, real_model, tmp_path):
+    """grpo_gsm8k.py on the real model: one step of the one-digit arithmetic task with the recipe of `demo_cpu.sh
+    --real` and bench/arithmetic.py (8 prompts x 8 samples at T=0.6, 48 tokens, no system prompt, seed 2), its push
+    verified by checksum (--verify-sync). A group of equal rewards has no gradient: in this draw 2 groups of 8 had right
+    and wrong answers (frac_samples_skipped says which were fed). Must hold: the trainer's logprobs equal the sampler's,
+    the weights moved, the server ends with exactly the saved checkpoint's. Whether it learns is bench/arithmetic.py's
+    question, over seeds. (Micro-batches of 1,024 tokens, a quarter of the bench's: the suite runs beside others.)"""
+    extra = ("--dataset", ARITHMETIC, "--train-steps", "1", "--seed", "2", *RECIPE, "--learning-rate", "1e-5")
+    extra += ("--micro-token-budget", "1024", "--save-every", "1")  # (later flags win)
     out, m = run_grpo(server, real_model, tmp_path, *extra, timeout=1800)
-    assert [int(x["version"]) for x in m] == [1, 2], out[-2000:]
-    assert all(float(x["logprob_mismatch"]) < 1e-4 for x in m), m
-    assert float(m[0]["frac_reward_zero_std"]) < 1, m  # a group of step 1 had right and wrong answers: a gradient
+    assert [int(x["version"]) for x in m] == [1], out[-2000:]
+    assert float(m[0]["logprob_mismatch"]) < 1e-4, m
+    assert float(m[0]["frac_reward_zero_std"]) < 1, m  # a group had right and wrong answers: a gradient
     assert float(m[0]["frac_samples_skipped"]) == float(m[0]["frac_reward_zero_std"]), m  # binary rewards
-    rewards = [float(x["reward"]) for x in m]
-    assert rewards[1] >= rewards[0] + 0.1, rewards
-    assert max_abs_diff(load_weights(tmp_path / "ckpt" / "step_2"), load_weights(real_model)) > 0
-    assert server_matches(server, tmp_path / "ckpt" / "step_2")
+    assert max_abs_diff(load_weights(tmp_path / "ckpt" / "step_1"), load_weights(real_model)) > 0
+    assert server_matches(server, tmp_path / "ckpt" / "step_1")
 
 
 METRICS = ("reward", "logprob_mismatch", "frac_reward_zero_std", "step_s")
