@@ -16,6 +16,9 @@ set +e
 # then its server), so a second worker uses the second core: on a 2-core VM with one core kept busy by another
 # program, 70 minutes; in one process, with no core busy, 68 minutes had run 1,700 of its 1,887 tests. No test races
 # the load: a request held in flight is held by the test's own hand, and every wait bounds a failure, not the speed.
+# The free disk where the tests write (a real-model test writes checkpoints of 1.6 GB; pyproject.toml has pytest delete
+# a passed test's files), printed so that a full disk is seen as that.
+df -h "${TMPDIR:-/tmp}" | tail -n 1 | awk '{print "free disk for the tests: " $4 " in " $6}'
 WORKERS=${TEST_WORKERS:-$( [ "$(nproc)" -ge 2 ] && echo 2 || echo 0 )}
 "$VENV/bin/python" -m pytest tests -v -p no:cacheprovider --durations=30 \
   -n "$WORKERS" --dist loadscope --no-loadscope-reorder "$@"
