@@ -13,7 +13,8 @@ evaluated greedy before the first step and after each (the scripts' own evaluati
 teacher's (null: never). Every finished run is a line of --out/results.jsonl, and one already there is not run again.
 --table prints the docs' table, --png draws the held out per step (matplotlib: a dependency of this benchmark alone).
 
-Run: python bench/distill.py --seeds 1 2 3 --out /tmp/cleanrlvr_distill --table [--png docs/images/distill_gsm8k.png]
+Run: python bench/distill.py --seeds 1 2 3 --distill-lr 5e-5 --out /tmp/cleanrlvr_distill --table \
+     [--png docs/images/distill_gsm8k.png]   (the results on docs/distill_gsm8k.md)
 """
 
 import argparse
@@ -132,12 +133,12 @@ def plot(records: list[dict], png: str) -> None:
 
     teacher = next(r for r in records if r["side"] == "teacher")
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
-    for r in records:
-        if r["side"] != "teacher":
-            style = "C1" if r["side"] == "grpo" else "C0"
-            ax.plot(
-                [100 * a for a in r["held_out"]], color=style, marker="o", alpha=0.7, label=f"{r['side']} {r['seed']}"
-            )
+    sides = sorted({r["side"] for r in records} - {"teacher"})
+    for r in sorted((r for r in records if r["side"] != "teacher"), key=lambda r: (r["side"], r["seed"])):
+        color = f"C{sides.index(r['side'])}"
+        marker = "os^Dv"[(r["seed"] - 1) % 5]
+        label = f"{r['side']}, seed {r['seed']}"
+        ax.plot([100 * a for a in r["held_out"]], color=color, marker=marker, alpha=0.75, label=label)
     ax.axhline(100 * teacher["held_out"][-1], color="k", linestyle="--", label="teacher")
     ax.set_xlabel("step (8 prompts x 8 samples)")
     ax.set_ylabel("held-out accuracy, greedy (%)")
