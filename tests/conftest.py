@@ -99,6 +99,16 @@ def log_tail(log_path, chars: int = 3000) -> str:
     return Path(log_path).read_text()[-chars:]
 
 
+def server_failure(log_path, chars: int = 4000) -> str:
+    """A failed server's log as a failure message: the first traceback (vLLM's worker prints the root cause there,
+    and the engine's "see root cause above" follows it), then the log's end."""
+    text = Path(log_path).read_text()
+    first = text.find("Traceback")
+    if 0 <= first < len(text) - chars:
+        return text[first : first + chars] + "\n[...]\n" + text[-chars:]
+    return text[-chars:]
+
+
 def run_ok(cmd: list, *, cwd, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` to its end and assert it succeeded (the tails of its output are the failure message)."""
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -269,13 +279,13 @@ def _start_server(model: str, log_path: str, *extra: str, port: int, timeout: fl
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log:\n" + log_tail(log_path, 4000))
+            raise RuntimeError(f"server exited with {proc.returncode}; log:\n" + server_failure(log_path))
         with contextlib.suppress(requests.RequestException):
             if requests.get(url + "/health", timeout=1).ok:
                 return proc, url
         time.sleep(0.5)
     stop_server(proc)
-    raise RuntimeError("server did not become healthy; log:\n" + log_tail(log_path, 4000))
+    raise RuntimeError("server did not become healthy; log:\n" + server_failure(log_path))
 
 
 def stop_server(proc) -> None:
