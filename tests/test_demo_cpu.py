@@ -82,3 +82,28 @@ def test_real_demo_verdict_is_the_held_out_rise(tmp_path):
         r = verdict(tmp_path, rising_rewards, held_out)
         assert r.returncode == code and ("NOT LEARNED" in r.stdout) == bool(code), (held_out, r.stdout + r.stderr)
         assert "held-out accuracy: " + ", ".join(f"{100 * a:.1f}% at step {s}" for s, a in held_out.items()) in r.stdout
+
+
+def test_set_up_twice_leaves_the_venv_alone(tmp_path):
+    """tests/setup_cpu.sh on a venv it already set up from this requirements-cpu.txt runs no pip: a second pip install
+    would put back the torchvision the set-up removes, and a test or run importing transformers meanwhile (the demo's
+    set-up runs beside the other tests) would fail on it. A changed requirements file installs again."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    calls = tmp_path / "pip_calls"
+    (venv / "bin" / "pip").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (venv / "bin" / "pip").chmod(0o755)
+    env = {**os.environ, "VENV": str(venv)}
+    setup = ["bash", os.path.join(ROOT, "tests", "setup_cpu.sh"), "--demo"]
+    subprocess.run(setup, env=env, check=True, capture_output=True, timeout=60)
+    assert calls.read_text().splitlines() == [
+        "install -q -r requirements-cpu.txt",
+        "uninstall -q -y torchvision torchaudio torchcodec",
+    ]
+    calls.unlink()
+    subprocess.run(setup, env=env, check=True, capture_output=True, timeout=60)
+    assert not calls.exists()  # set up already: no pip
+    (venv / "cleanrlvr-requirements-cpu.sha256").write_text("another requirements file\n")
+    subprocess.run(setup, env=env, check=True, capture_output=True, timeout=60)
+    assert calls.read_text().splitlines()[0] == "install -q -r requirements-cpu.txt"
