@@ -17,7 +17,8 @@ set +e
 # (--dist loadscope: a module's servers and runs are set up once), in the order of tests/conftest.py's
 # pytest_collection_modifyitems (--no-loadscope-reorder). Most of a test's time is one process at a time (a trainer,
 # then its server), so a second worker uses the second core: on a 2-core VM with one core kept busy by another
-# program, 70 minutes; in one process, with no core busy, 68 minutes had run 1,700 of its 1,887 tests. No test races
+# program, 70 minutes (AMD EPYC, AVX2) or 31-33 (Intel Xeon, AVX-512); in one process, with no core busy, the AMD VM
+# had run 1,700 of the 1,887 tests in 68 minutes. No test races
 # the load: a request held in flight is held by the test's own hand, and every wait bounds a failure, not the speed.
 WORKERS=${TEST_WORKERS:-$( [ "$(nproc)" -ge 2 ] && echo 2 || echo 0 )}
 "$VENV/bin/python" -m pytest tests -v -p no:cacheprovider --durations=30 \
