@@ -356,23 +356,22 @@ def test_full_and_partial_push(server, hf_model):
     # "CPU Generator does not use offset"; see docs/vllm_sync_server.md#known-limits)
     for _attempt in range(5):
         held = hold_a_long_generation(server, n=16, max_tokens=LONG_TOKENS)
-        if held is None:
-            continue
-        thread, outcome = held
-        done = client.push(params)
-        assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
-        assert done["paused"], done  # requests were in the engine: vLLM's pause ran
-        v = done["version"]
-        state = requests.get(server + "/runtime_version", headers=AUTH).json()
-        assert state["version"] == v and state["held"] and thread.is_alive(), state  # the push left the hold
-        assert requests.post(server + "/resume", headers=AUTH, timeout=60).json()["held"] is False
-        thread.join(timeout=600)
-        assert "completions" in outcome, f"the long request failed: {outcome}"
-        comps = outcome["completions"]
-        assert len(comps) == 16 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
-        break
+        if held is not None:
+            break
     else:
         raise AssertionError("in 5 attempts the long request was never held mid-generation")
+    thread, outcome = held
+    done = client.push(params)
+    assert done["status"] == "ok" and done["direct"] == DIRECT[server], done
+    assert done["paused"], done  # requests were in the engine: vLLM's pause ran
+    v = done["version"]
+    state = requests.get(server + "/runtime_version", headers=AUTH).json()
+    assert state["version"] == v and state["held"] and thread.is_alive(), state  # the push left the hold
+    assert requests.post(server + "/resume", headers=AUTH, timeout=60).json()["held"] is False
+    thread.join(timeout=600)
+    assert "completions" in outcome, f"the long request failed: {outcome}"
+    comps = outcome["completions"]
+    assert len(comps) == 16 and all(len(c["token_ids"]) == LONG_TOKENS for c in comps)  # nothing dropped
     assert_checksums(server, new)
     assert_logprobs_match(server, hf_model)
     for c in comps:  # every sample began in one step: its first tokens from the weights before the push, then the new
